@@ -1,0 +1,12 @@
+"""fastfeed: a drop-in ``torch.utils.data.DataLoader`` that keeps the GPU fed.
+
+Change one import::
+
+    from fastfeed import FastLoader as DataLoader
+"""
+
+from fastfeed.loader import FastLoader
+
+__version__ = "0.1.0"
+
+__all__ = ["FastLoader", "__version__"]

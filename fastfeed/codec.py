@@ -1,0 +1,137 @@
+"""Batch <-> message: what crosses the process boundary instead of the data.
+
+A worker pickles its batch with a persistent-id hook. Every CPU tensor or numpy array that
+fits in the task's slot is written there (once) and replaced in the pickle by a small
+descriptor: offset, shape, strides, dtype. Everything else (strings, numbers, custom objects,
+and tensors that do not fit) pickles as usual, through torch's own shared-memory reductions.
+The main process unpickles with the matching hook and rebuilds each descriptor as a view of a
+lease on the slot. This works for any batch structure, including custom ``collate_fn`` output.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from dataclasses import dataclass
+from multiprocessing.reduction import ForkingPickler
+from typing import Any
+
+import numpy as np
+import torch
+
+from fastfeed.ring import Arena, SlotRing
+
+__all__ = ["Encoded", "decode", "encode"]
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """A batch as it crosses from a worker: its slot, the pickled structure, its byte need."""
+
+    slot_id: int | None
+    payload: bytes
+    required: int
+
+
+def _slot_eligible_tensor(obj: Any) -> bool:
+    # Exactly torch.Tensor: subclasses and autograd leaves keep torch's own pickling.
+    return (
+        type(obj) is torch.Tensor
+        and obj.device.type == "cpu"
+        and obj.layout == torch.strided
+        and not obj.requires_grad
+        and not obj.is_conj()
+        and not obj.is_neg()
+        and not obj.is_quantized
+    )
+
+
+class _SlotPickler(ForkingPickler):
+    def __init__(self, file: io.BytesIO, arena: Arena) -> None:
+        super().__init__(file, pickle.HIGHEST_PROTOCOL)
+        self._arena = arena
+        self._storage_offsets: dict[int, int | None] = {}
+
+    def persistent_id(self, obj: Any) -> Any:
+        if _slot_eligible_tensor(obj):
+            return self._tensor_id(obj)
+        if type(obj) is np.ndarray and obj.dtype.hasobject is False:
+            return self._array_id(obj)
+        return None
+
+    def _tensor_id(self, tensor: torch.Tensor) -> tuple | None:
+        storage = tensor.untyped_storage()
+        if self._arena.owns(tensor):
+            base = 0  # stacked into the slot by the collate step: no copy at all
+        elif storage.is_shared():
+            return None  # already in shared memory (torch's collate did it): send its handle
+        else:
+            # Copy the whole storage once, so that views sharing it still share it after.
+            key = storage.data_ptr()
+            if key not in self._storage_offsets:
+                self._storage_offsets[key] = self._copy_storage(storage)
+            offset = self._storage_offsets[key]
+            if offset is None:
+                return None
+            base = offset
+        byte_offset = base + tensor.storage_offset() * tensor.element_size()
+        return ("tensor", byte_offset, tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
+
+    def _copy_storage(self, storage: torch.UntypedStorage) -> int | None:
+        nbytes = storage.nbytes()
+        offset = self._arena.allocate(nbytes)
+        if offset is not None and nbytes:
+            assert self._arena.buffer is not None
+            source = torch.empty(0, dtype=torch.uint8).set_(storage)
+            self._arena.buffer[offset : offset + nbytes].copy_(source)
+        return offset
+
+    def _array_id(self, array: np.ndarray) -> tuple | None:
+        offset = self._arena.allocate(array.nbytes)
+        if offset is None:
+            return None
+        assert self._arena.buffer is not None
+        dest = self._arena.buffer[offset : offset + array.nbytes].numpy()
+        np.copyto(dest.view(array.dtype).reshape(array.shape), array)
+        return ("array", offset, array.shape, array.dtype.str)
+
+
+def encode(batch: Any, arena: Arena) -> Encoded:
+    """Worker side: write ``batch``'s arrays into ``arena`` and pickle the rest."""
+    file = io.BytesIO()
+    _SlotPickler(file, arena).dump(batch)
+    return Encoded(arena.slot_id, file.getvalue(), arena.required)
+
+
+class _SlotUnpickler(pickle.Unpickler):
+    def __init__(self, file: io.BytesIO, lease: np.ndarray | None) -> None:
+        super().__init__(file)
+        self._lease = lease
+        self._base = None if lease is None else torch.from_numpy(lease)
+        self._typed: dict[torch.dtype, torch.Tensor] = {}
+
+    def persistent_load(self, pid: Any) -> Any:
+        kind = pid[0]
+        if kind == "tensor":
+            _, byte_offset, shape, stride, dtype = pid
+            typed = self._typed.get(dtype)
+            if typed is None:
+                assert self._base is not None
+                typed = self._typed[dtype] = self._base.view(dtype)
+            return torch.as_strided(typed, shape, stride, byte_offset // dtype.itemsize)
+        if kind == "array":
+            _, offset, shape, dtype_str = pid
+            assert self._lease is not None
+            dtype = np.dtype(dtype_str)
+            count = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            return self._lease[offset : offset + count].view(dtype).reshape(shape)
+        raise pickle.UnpicklingError(f"unknown fastfeed persistent id {kind!r}")
+
+
+def decode(message: Encoded, ring: SlotRing | None) -> Any:
+    """Main side: rebuild the batch; its arrays are views that keep their slot leased."""
+    lease = None
+    if message.slot_id is not None:
+        assert ring is not None
+        lease = ring.lease(message.slot_id)
+    return _SlotUnpickler(io.BytesIO(message.payload), lease).load()

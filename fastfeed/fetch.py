@@ -1,0 +1,61 @@
+"""Fetchers: turn an index (or a batch of indices) into samples, exactly as torch does.
+
+Collation is left to the caller, so that workers can collate straight into a ring slot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+__all__ = ["Fetcher", "IterableFetcher", "MapFetcher"]
+
+
+class Fetcher:
+    """Fetches the samples for one index; ``auto_collation`` means the index is a batch."""
+
+    def __init__(self, dataset: Any, auto_collation: bool, drop_last: bool) -> None:
+        self.dataset = dataset
+        self.auto_collation = auto_collation
+        self.drop_last = drop_last
+
+    def fetch(self, index: Any) -> Any:
+        raise NotImplementedError
+
+
+class MapFetcher(Fetcher):
+    def fetch(self, index: Any) -> Any:
+        if not self.auto_collation:
+            return self.dataset[index]
+        getitems = getattr(self.dataset, "__getitems__", None)
+        if getitems:
+            return getitems(index)
+        return [self.dataset[i] for i in index]
+
+
+class IterableFetcher(Fetcher):
+    def __init__(self, dataset: Any, auto_collation: bool, drop_last: bool) -> None:
+        super().__init__(dataset, auto_collation, drop_last)
+        self._iterator: Iterator = iter(dataset)
+        self._ended = False
+
+    def fetch(self, index: Any) -> Any:
+        if self._ended:
+            raise StopIteration
+        if not self.auto_collation:
+            return next(self._iterator)
+        samples = []
+        for _ in index:
+            try:
+                samples.append(next(self._iterator))
+            except StopIteration:
+                self._ended = True
+                break
+        if not samples or (self.drop_last and len(samples) < len(index)):
+            raise StopIteration
+        return samples
+
+
+def make_fetcher(dataset: Any, iterable: bool, auto_collation: bool, drop_last: bool) -> Fetcher:
+    cls = IterableFetcher if iterable else MapFetcher
+    return cls(dataset, auto_collation, drop_last)

@@ -1,0 +1,32 @@
+"""``num_workers=0``: fetch and collate in the calling thread, as torch does."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from fastfeed.fetch import make_fetcher
+from fastfeed.iterators.base import BaseIterator
+
+if TYPE_CHECKING:
+    from fastfeed.loader import FastLoader
+
+__all__ = ["SingleProcessIterator"]
+
+
+class SingleProcessIterator(BaseIterator):
+    """Loads every batch in the main process; there is nothing to cross, so no ring."""
+
+    def __init__(self, loader: FastLoader) -> None:
+        super().__init__(loader)
+        if self._timeout != 0:
+            # torch's single-process iterator refuses a timeout with the same exception type.
+            raise AssertionError("timeout requires num_workers > 0 (got timeout="
+                                 f"{self._timeout} with num_workers=0)")
+        self._fetcher = make_fetcher(
+            self._dataset, self._iterable, self._auto_collation, self._drop_last
+        )
+
+    def _next_data(self) -> Any:
+        index = self._next_index()
+        samples = self._fetcher.fetch(index)
+        return self._pin(self._collate_fn(samples))

@@ -1,0 +1,314 @@
+"""The ring: shared-memory slots that workers collate straight into.
+
+Each slot is an anonymous ``memfd`` mapping. It has no name in ``/dev/shm``, so a killed
+process can never leave one behind, and Docker's small default ``/dev/shm`` does not limit it.
+The main process owns the ring; workers receive each slot's file descriptor over a control
+pipe and map it once.
+
+Lifetime of a slot (DESIGN.md invariant 2)::
+
+    free ──acquire──> assigned to a task ──decode──> leased to a batch ──last tensor dies──> free
+
+A lease is a fresh numpy view of the slot. Every tensor of a delivered batch is a view of it,
+so the slot returns to the ring only when nothing references the batch any more. When every
+slot is out, tasks are sent without one and take torch's ordinary shared-memory path: nothing
+is ever overwritten, and memory stays bounded by ``max_slots × slot_bytes``.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import threading
+import warnings
+import weakref
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from multiprocessing.reduction import recv_handle, send_handle
+
+import numpy as np
+import torch
+
+__all__ = ["Arena", "SlotRing", "WorkerSlots", "ring_supported"]
+
+logger = logging.getLogger(__name__)
+
+ALIGN = 64
+# Variable-size batches (detection targets, ragged tensors) vary around the first size seen.
+_HEADROOM = 1.25
+# The ring may take at most this share of the memory the kernel reports as available.
+_MAX_SHARE_OF_AVAILABLE = 0.5
+
+
+def ring_supported() -> bool:
+    """Return whether this platform can build a ring (Linux ``memfd_create``)."""
+    return hasattr(os, "memfd_create") and hasattr(mmap, "MAP_POPULATE")
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _map(fd: int, nbytes: int) -> mmap.mmap:
+    # MAP_POPULATE faults every page in now, once, instead of on each batch's first write.
+    return mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+
+
+def _available_memory() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _cuda_host_register(array: np.ndarray) -> bool:
+    """Page-lock ``array`` so that it *is* pinned memory. Fails soft (returns False)."""
+    if not torch.cuda.is_available():  # on a CPU-only torch, cudart() raises AssertionError
+        return False
+    cudart = torch.cuda.cudart()
+    err = cudart.cudaHostRegister(array.ctypes.data, array.nbytes, 0)
+    if int(err) != 0:
+        logger.warning("cudaHostRegister failed (%s); this slot is pageable", err)
+        return False
+    weakref.finalize(array, cudart.cudaHostUnregister, array.ctypes.data).atexit = False
+    return True
+
+
+@dataclass(eq=False)
+class _Slot:
+    slot_id: int
+    nbytes: int
+    fd: int
+    memory: np.ndarray  # uint8 view of the whole mapping; leases are views of it
+    pinned: bool
+    in_use: bool = field(default=False)
+
+
+class SlotRing:
+    """The main process's side of the ring.
+
+    Args:
+        max_slots: the most slots the ring holds; beyond that, batches take the ordinary path.
+        pin: page-lock slots with ``cudaHostRegister`` when CUDA is available.
+        slot_bytes: initial slot size; 0 means "learn it from the first batches".
+    """
+
+    def __init__(self, max_slots: int, pin: bool = False, slot_bytes: int = 0) -> None:
+        self.max_slots = max_slots
+        self.pin = pin
+        self.slot_bytes = _round_up(slot_bytes, mmap.PAGESIZE)
+        self._slots: dict[int, _Slot] = {}
+        self._next_id = 0
+        self._lock = threading.Lock()
+        self._warned_memory = False
+
+    # -- sizing ------------------------------------------------------------------------------
+    def note_required(self, nbytes: int) -> None:
+        """Record that a batch needed ``nbytes`` of slot space; new slots will fit it."""
+        if nbytes > self.slot_bytes:
+            self.slot_bytes = _round_up(int(nbytes * _HEADROOM), mmap.PAGESIZE)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of shared memory the ring holds now."""
+        return sum(s.nbytes for s in self._slots.values())
+
+    @property
+    def occupancy(self) -> tuple[int, int]:
+        """``(slots in use, slots allocated)``."""
+        with self._lock:
+            return sum(s.in_use for s in self._slots.values()), len(self._slots)
+
+    # -- slot life cycle ---------------------------------------------------------------------
+    def acquire(self) -> tuple[_Slot | None, list[_Slot], list[int]]:
+        """Take a free slot for a task.
+
+        Returns ``(slot, created, retired)``: the slot (``None`` when the ring is exhausted or
+        has not learned the batch size yet), slots newly created that workers must map, and
+        ids of slots dropped because they are smaller than batches now need.
+        """
+        if self.slot_bytes == 0:
+            return None, [], []
+        created: list[_Slot] = []
+        retired: list[int] = []
+        with self._lock:
+            slot = None
+            for candidate in self._slots.values():
+                if candidate.in_use:
+                    continue
+                if candidate.nbytes < self.slot_bytes:
+                    retired.append(candidate.slot_id)
+                    continue
+                slot = candidate
+                break
+            for slot_id in retired:
+                self._drop(slot_id)
+            if slot is None and len(self._slots) < self.max_slots and self._fits_in_memory():
+                slot = self._create(self.slot_bytes)
+                created.append(slot)
+            if slot is not None:
+                slot.in_use = True
+        return slot, created, retired
+
+    def release(self, slot_id: int) -> None:
+        """Return a slot to the ring (a task failed, or its batch was discarded)."""
+        with self._lock:
+            slot = self._slots.get(slot_id)
+            if slot is not None:
+                slot.in_use = False
+
+    def lease(self, slot_id: int) -> np.ndarray:
+        """Return a view of the slot that returns it to the ring when garbage-collected."""
+        lease = self._slots[slot_id].memory.view()
+        weakref.finalize(lease, _release_if_alive, weakref.ref(self), slot_id).atexit = False
+        return lease
+
+    def close(self) -> None:
+        """Drop every slot. Memory still leased to user batches stays valid until they die."""
+        with self._lock:
+            for slot_id in list(self._slots):
+                self._drop(slot_id)
+
+    def fds(self) -> list[tuple[int, int, int]]:
+        """``(slot_id, nbytes, fd)`` of every live slot, for a worker that starts late."""
+        with self._lock:
+            return [(s.slot_id, s.nbytes, s.fd) for s in self._slots.values()]
+
+    def _create(self, nbytes: int) -> _Slot:
+        fd = os.memfd_create(f"fastfeed-slot-{self._next_id}", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, nbytes)
+            memory = np.frombuffer(_map(fd, nbytes), dtype=np.uint8)
+        except BaseException:
+            os.close(fd)
+            raise
+        slot = _Slot(self._next_id, nbytes, fd, memory, self.pin and _cuda_host_register(memory))
+        self._slots[slot.slot_id] = slot
+        self._next_id += 1
+        logger.debug("ring: created slot %d of %d bytes", slot.slot_id, nbytes)
+        return slot
+
+    def _drop(self, slot_id: int) -> None:
+        slot = self._slots.pop(slot_id)
+        os.close(slot.fd)
+
+    def _fits_in_memory(self) -> bool:
+        available = _available_memory()
+        if available is None or self.slot_bytes <= _MAX_SHARE_OF_AVAILABLE * available:
+            return True
+        if not self._warned_memory:
+            self._warned_memory = True
+            warnings.warn(
+                f"fastfeed: a {self.slot_bytes / 2**20:.0f} MiB ring slot does not fit in the "
+                f"{available / 2**20:.0f} MiB of available memory; batches take torch's "
+                "ordinary shared-memory path instead. Lower batch_size or prefetch_factor.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        return False
+
+    def __getstate__(self) -> dict:
+        # Slots are process-local mappings; a pickled loader starts with an empty ring.
+        return {"max_slots": self.max_slots, "pin": self.pin, "slot_bytes": self.slot_bytes}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(**state)  # type: ignore[misc]
+
+
+def _release_if_alive(ring_ref: weakref.ref[SlotRing], slot_id: int) -> None:
+    ring = ring_ref()
+    if ring is not None:
+        ring.release(slot_id)
+
+
+class WorkerSlots:
+    """A worker's mappings of the ring's slots, kept in step over the control pipe."""
+
+    def __init__(self, control: Connection) -> None:
+        self._control = control
+        self._buffers: dict[int, torch.Tensor] = {}
+
+    @staticmethod
+    def announce(control: Connection, pid: int, slot_id: int, nbytes: int, fd: int) -> None:
+        """Main-process side: hand a new slot to the worker behind ``control``."""
+        control.send(("add", slot_id, nbytes))
+        send_handle(control, fd, pid)
+
+    @staticmethod
+    def retire(control: Connection, slot_id: int) -> None:
+        """Main-process side: tell the worker to unmap a slot."""
+        control.send(("drop", slot_id))
+
+    def buffer(self, slot_id: int) -> torch.Tensor:
+        """The uint8 tensor over slot ``slot_id``, mapping it first if it is new."""
+        while slot_id not in self._buffers:
+            self._handle(self._control.recv())
+        return self._buffers[slot_id]
+
+    def sync(self) -> None:
+        """Apply every pending add or drop without blocking."""
+        while self._control.poll():
+            self._handle(self._control.recv())
+
+    def _handle(self, message: tuple) -> None:
+        if message[0] == "add":
+            _, slot_id, nbytes = message
+            fd = recv_handle(self._control)
+            try:
+                self._buffers[slot_id] = torch.frombuffer(_map(fd, nbytes), dtype=torch.uint8)
+            finally:
+                os.close(fd)
+        else:
+            self._buffers.pop(message[1], None)
+
+
+class Arena:
+    """A bump allocator over one slot, for the tensors of one batch.
+
+    An arena without a buffer allocates nothing but still counts the bytes a batch needs, so
+    the first batches, sent before the ring knows the batch size, teach it.
+    """
+
+    def __init__(self, slot_id: int | None = None, buffer: torch.Tensor | None = None) -> None:
+        self.slot_id = slot_id
+        self.buffer = buffer
+        self.used = 0
+        self.overflow = 0
+
+    @property
+    def required(self) -> int:
+        """Bytes this batch needs to fit in a slot."""
+        return self.used + self.overflow
+
+    def allocate(self, nbytes: int) -> int | None:
+        """Reserve ``nbytes``; return the byte offset, or None (and count it) if it won't fit."""
+        start = _round_up(self.used, ALIGN)
+        if self.buffer is None or start + nbytes > self.buffer.numel():
+            self.overflow += _round_up(nbytes, ALIGN)
+            return None
+        self.used = start + nbytes
+        return start
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        """A contiguous tensor in the slot, or None if the slot has no room."""
+        numel = 1
+        for size in shape:
+            numel *= size
+        nbytes = numel * dtype.itemsize
+        offset = self.allocate(nbytes)
+        if offset is None:
+            return None
+        assert self.buffer is not None
+        return self.buffer[offset : offset + nbytes].view(dtype).view(shape)
+
+    def owns(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` lives in this arena's slot."""
+        return (
+            self.buffer is not None
+            and tensor.untyped_storage().data_ptr() == self.buffer.untyped_storage().data_ptr()
+        )
