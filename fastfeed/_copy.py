@@ -13,11 +13,11 @@ import numpy as np
 import torch
 
 try:
-    from fastfeed import _C
+    from fastfeed import _C  # type: ignore[attr-defined]
 except ImportError:  # built without a compiler: the pure-torch path takes over
     _C = None
 
-__all__ = ["extension_loaded", "stack_into", "stack_hwc_to_chw"]
+__all__ = ["extension_loaded", "stack_hwc_to_chw", "stack_into"]
 
 
 def extension_loaded() -> bool:
@@ -39,7 +39,9 @@ def stack_into(out: torch.Tensor, samples: Sequence[torch.Tensor], threads: int 
         and all(s.dtype == out.dtype and s.is_contiguous() for s in samples)
         and all(s.shape == out.shape[1:] for s in samples)
     ):
-        _C.gather(out.data_ptr(), [s.data_ptr() for s in samples], out[0].nbytes, threads)
+        if samples:
+            nbytes = out.nbytes // len(samples)
+            _C.gather(out.data_ptr(), [s.data_ptr() for s in samples], nbytes, threads)
     else:
         torch.stack(list(samples), 0, out=out)
 

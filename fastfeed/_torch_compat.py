@@ -18,8 +18,8 @@ from torch.utils.data._utils import worker as _worker
 from torch.utils.data.datapipes.datapipe import IterDataPipe, MapDataPipe
 
 __all__ = [
-    "collate_with",
     "collate_tensor_fn",
+    "collate_with",
     "default_collate",
     "default_convert",
     "is_datapipe",

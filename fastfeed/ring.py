@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import sys
 import threading
 import warnings
 import weakref
@@ -52,7 +53,9 @@ def _round_up(n: int, multiple: int) -> int:
 
 def _map(fd: int, nbytes: int) -> mmap.mmap:
     # MAP_POPULATE faults every page in now, once, instead of on each batch's first write.
-    return mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+    # Before Python 3.13, mmap keeps a dup of the fd for as long as the mapping lives.
+    options = {"trackfd": False} if sys.version_info >= (3, 13) else {}
+    return mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, **options)
 
 
 def _available_memory() -> int | None:

@@ -71,7 +71,7 @@ def _describe_exit(exitcode: int) -> str:
         elif signum == signal.SIGKILL:
             hint = " It may have been killed by the out-of-memory killer."
         return f"killed by signal {signum} ({name}).{hint}"
-    return f"exited with exit code {exitcode}."
+    return f"exit code {exitcode}."
 
 
 class WorkerPoolIterator(BaseIterator):
@@ -151,9 +151,10 @@ class WorkerPoolIterator(BaseIterator):
                 if isinstance(idx, Resume):
                     acknowledged += idx.epoch == self._epoch
                 elif idx in self._tasks:
-                    self._tasks[idx].result, self._tasks[idx].done = result, True
+                    self._receive(self._tasks[idx], result)
             for task in self._tasks.values():
-                self._discard(task)
+                if not task.done:
+                    self._release(task.slot_id)
         self._send_idx = 0
         self._rcvd_idx = 0
         self._tasks: dict[int, _Task] = {}
@@ -193,7 +194,7 @@ class WorkerPoolIterator(BaseIterator):
         if self._ring is None:
             return None
         slot, created, retired = self._ring.acquire()
-        for control, process in zip(self._controls, self._workers):
+        for control, process in zip(self._controls, self._workers, strict=True):
             if process.exitcode is not None:
                 continue
             try:
@@ -208,13 +209,6 @@ class WorkerPoolIterator(BaseIterator):
     def _release(self, slot_id: int | None) -> None:
         if slot_id is not None and self._ring is not None:
             self._ring.release(slot_id)
-
-    def _discard(self, task: _Task) -> None:
-        """Drop a task's result, returning its slot and any shared memory it carries."""
-        if task.done and isinstance(task.result, Encoded):
-            decode(task.result, self._ring)  # the lease dies at once and frees the slot
-        else:
-            self._release(task.slot_id)
 
     # -- receive -----------------------------------------------------------------------------
     def _get_result(self) -> tuple[Any, Any]:
@@ -231,7 +225,11 @@ class WorkerPoolIterator(BaseIterator):
             if deadline is not None and time.monotonic() >= deadline:
                 raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds")
 
-    def _check_workers(self) -> None:
+    def _check_workers(self, wait: float = 0.0) -> None:
+        """Raise if an active worker has died, waiting up to ``wait`` s for one that is dying."""
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline and all(p.exitcode is None for p in self._workers):
+            time.sleep(0.02)
         for worker_id, process in enumerate(self._workers):
             if self._workers_status[worker_id] and process.exitcode is not None:
                 message = (
@@ -274,23 +272,38 @@ class WorkerPoolIterator(BaseIterator):
                     self._retire_worker(result.worker_id)
                 self._try_put_index()
                 continue
-            arrived.result, arrived.done = result, True
+            self._receive(arrived, result)
             if idx == self._rcvd_idx or not self._in_order:
                 del self._tasks[idx]
                 if idx == self._rcvd_idx:
                     self._rcvd_idx += 1
                 return self._process(arrived)
 
+    def _receive(self, task: _Task, result: Any) -> None:
+        # Decode at once: shared memory sent outside the ring is fetched from the worker, which
+        # may exit (an exhausted IterableDataset replica) before this batch's turn comes.
+        task.done = True
+        if isinstance(result, Encoded):
+            if self._ring is not None:
+                self._ring.note_required(result.required)
+            try:
+                task.result = decode(result, self._ring)  # the batch now holds the slot's lease
+            except (OSError, EOFError):
+                # Shared memory outside the ring is fetched from its worker: if that worker
+                # died, say so rather than surface a socket error.
+                self._release(task.slot_id)
+                self._check_workers(wait=_SHUTDOWN_GRACE)
+                raise
+        else:
+            self._release(task.slot_id)
+            task.result = result
+
     def _process(self, task: _Task) -> Any:
         self._workers_num_tasks[task.worker_id] -= 1
         self._try_put_index()
-        result = task.result
-        if isinstance(result, ExceptionWrapper):
-            self._release(task.slot_id)
-            result.reraise()
-        if self._ring is not None:
-            self._ring.note_required(result.required)
-        return self._pin(decode(result, self._ring))
+        if isinstance(task.result, ExceptionWrapper):
+            task.result.reraise()
+        return self._pin(task.result)
 
     # -- shutdown ----------------------------------------------------------------------------
     def _retire_worker(self, worker_id: int) -> None:
@@ -303,7 +316,7 @@ class WorkerPoolIterator(BaseIterator):
         self._shutdown = True
         try:
             self._done_event.set()
-            for index_queue, process in zip(self._index_queues, self._workers):
+            for index_queue, process in zip(self._index_queues, self._workers, strict=True):
                 if process.exitcode is None:
                     index_queue.put(None)
             deadline = time.monotonic() + _SHUTDOWN_GRACE

@@ -1,0 +1,23 @@
+"""The ``fastfeed`` command line: ``fastfeed info``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``fastfeed`` and ``python -m fastfeed``."""
+    parser = argparse.ArgumentParser(prog="fastfeed", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("info", help="versions, extension, CUDA, NVML, DALI, CPUs, /dev/shm")
+    args = parser.parse_args(argv)
+    if args.command == "info":
+        from fastfeed.info import collect, format_report
+
+        print(format_report(collect()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""``python -m fastfeed info``: what fastfeed sees on this machine."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+import platform
+import shutil
+
+import numpy as np
+import PIL
+import torch
+
+import fastfeed
+from fastfeed._copy import extension_loaded
+from fastfeed.nvml import nvml_status
+from fastfeed.ring import ring_supported
+
+__all__ = ["collect", "format_report", "pillow_is_simd"]
+
+
+def pillow_is_simd() -> bool:
+    """Whether the installed ``PIL`` is pillow-simd (a faster, compiled drop-in)."""
+    try:
+        importlib.metadata.distribution("Pillow-SIMD")
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return ".post" in PIL.__version__
+
+
+def _cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def _shm() -> str:
+    try:
+        usage = shutil.disk_usage("/dev/shm")
+    except OSError:
+        return "absent"
+    return f"{usage.total / 2**30:.1f} GiB ({usage.free / 2**30:.1f} GiB free)"
+
+
+def collect() -> dict[str, str]:
+    """Gather the facts ``fastfeed info`` prints, as strings."""
+    cuda = torch.cuda.is_available()
+    nvml = nvml_status()
+    dali = importlib.util.find_spec("nvidia") is not None and (
+        importlib.util.find_spec("nvidia.dali") is not None
+    )
+    return {
+        "fastfeed": fastfeed.__version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "Pillow": PIL.__version__ + (" (pillow-simd)" if pillow_is_simd() else ""),
+        "C++ extension": "loaded" if extension_loaded() else "not built: pure-torch copy path",
+        "ring": "memfd slots" if ring_supported() else "unsupported here: ordinary path",
+        "CUDA": f"{torch.version.cuda} ({torch.cuda.device_count()} device(s))"
+        if cuda
+        else f"not available (torch built for CUDA {torch.version.cuda})"
+        if torch.version.cuda
+        else "not available (CPU-only torch)",
+        "GPU": ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
+        if cuda
+        else "none",
+        "NVML": f"driver {nvml.driver}, {len(nvml.gpus)} GPU(s)"
+        if nvml.available
+        else f"unavailable ({nvml.reason})",
+        "DALI": "installed" if dali else "not installed (pip install 'fastfeed[dali]')",
+        "CPUs (affinity)": str(_cpu_count()),
+        "/dev/shm": _shm(),
+    }
+
+
+def format_report(facts: dict[str, str]) -> str:
+    """Align ``facts`` as ``key : value`` lines."""
+    width = max(len(key) for key in facts)
+    return "\n".join(f"{key:<{width}} : {value}" for key, value in facts.items())

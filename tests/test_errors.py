@@ -1,0 +1,203 @@
+"""Failures are loud and clean (DESIGN.md invariant 5), and behave as torch's do."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from datasets import (
+    FailingDataset,
+    SlowDataset,
+    SuicideDataset,
+    TensorDataset,
+    failing_collate,
+    failing_worker_init,
+)
+from procs import alive, assert_no_leaks, child_pids, snapshot, wait_until
+from torch.utils.data import DataLoader
+
+from fastfeed import FastLoader
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def outcomes(loader):
+    """Every batch or error of an epoch, continuing after errors as torch allows."""
+    results, iterator = [], iter(loader)
+    while True:
+        try:
+            results.append(("batch", next(iterator).tolist()))
+        except StopIteration:
+            return results
+        except Exception as error:  # the test compares them
+            message = str(error).split("\n")[0]
+            results.append(("error", type(error).__name__, message))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_dataset_exception_matches_torch_and_iteration_continues(num_workers):
+    def build(cls):
+        return cls(FailingDataset(bad=5), batch_size=2, num_workers=num_workers)
+
+    expected, got = outcomes(build(DataLoader)), outcomes(build(FastLoader))
+    assert got == expected
+    assert any(kind == "error" for kind, *_ in got)
+
+
+def test_exception_carries_worker_traceback():
+    with pytest.raises(KeyError) as info:
+        list(FastLoader(FailingDataset(bad=0), batch_size=2, num_workers=2))
+    text = str(info.value)
+    assert "Caught KeyError in DataLoader worker process 0" in text
+    assert "bad index 0" in text and "Original Traceback" in text and "__getitem__" in text
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_collate_exception(num_workers):
+    for cls in (DataLoader, FastLoader):
+        with pytest.raises(TypeError, match="collate refuses"):
+            next(iter(cls(TensorDataset(), batch_size=2, num_workers=num_workers,
+                          collate_fn=failing_collate)))
+
+
+def test_worker_init_exception():
+    for cls in (DataLoader, FastLoader):
+        with pytest.raises(ValueError, match="init failed in worker 0"):
+            next(iter(cls(TensorDataset(), batch_size=2, num_workers=2,
+                          worker_init_fn=failing_worker_init)))
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize(
+    ("signum", "expected"),
+    [(signal.SIGKILL, "killed by signal 9 \\(SIGKILL\\)"),
+     (signal.SIGTERM, "killed by signal 15 \\(SIGTERM\\)"),
+     (0, "exit code 3")],
+)
+def test_dead_worker_raises_quickly_and_cleans_up(persistent, signum, expected):
+    before = snapshot()
+    loader = FastLoader(SuicideDataset(kill_at=6, signum=signum), batch_size=2, num_workers=2,
+                        persistent_workers=persistent)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"DataLoader worker 1 \(pid \d+\) exited unexpectedly: "
+                       + expected):
+        list(loader)
+    assert time.monotonic() - start < 5
+    del loader
+    assert_no_leaks(before)
+
+
+def test_timeout():
+    for cls in (DataLoader, FastLoader):
+        loader = cls(SlowDataset(delay=3), batch_size=1, num_workers=1, timeout=0.5)
+        iterator = iter(loader)
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"DataLoader timed out after 0\.5 seconds"):
+            try:
+                next(iterator)
+            finally:
+                elapsed = time.monotonic() - start
+        assert elapsed < 2.0
+        del iterator
+
+
+def test_timeout_with_no_workers_is_refused_like_torch():
+    for cls in (DataLoader, FastLoader):
+        with pytest.raises(AssertionError):
+            iter(cls(TensorDataset(), timeout=1))
+
+
+@pytest.mark.parametrize("how", ["break", "exception", "del"])
+def test_abandoning_an_epoch_leaves_nothing(how):
+    # Resources that live batches still hold are the user's; so each epoch runs in a function
+    # whose locals (the loop variable) die with it.
+    def epoch(loader):
+        if how == "break":
+            for i, _ in enumerate(loader):
+                if i == 3:
+                    break
+        elif how == "exception":
+            with pytest.raises(ZeroDivisionError):
+                for i, _ in enumerate(loader):
+                    if i == 3:
+                        1 / 0  # noqa: B018
+        else:
+            iterator = iter(loader)
+            next(iterator)
+            del iterator
+
+    before = snapshot()
+    epoch(FastLoader(SlowDataset(delay=0.01), batch_size=4, num_workers=2))
+    assert_no_leaks(before)
+
+
+def test_persistent_workers_die_with_the_loader():
+    before = snapshot()
+    loader = FastLoader(TensorDataset(), batch_size=4, num_workers=2, persistent_workers=True)
+    list(loader)
+    assert len(child_pids() - before[0]) == 2
+    del loader
+    assert_no_leaks(before)
+
+
+def _script(body: str) -> list[str]:
+    prelude = f"import sys; sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'tests')!r}]\n"
+    return [sys.executable, "-c", prelude + textwrap.dedent(body)]
+
+
+def test_workers_exit_when_the_main_process_is_killed():
+    shm_before = set(os.listdir("/dev/shm"))
+    proc = subprocess.Popen(_script("""
+        import os, signal
+        from datasets import SlowDataset
+        from fastfeed import FastLoader
+        loader = FastLoader(SlowDataset(delay=0.01), batch_size=64, num_workers=2)
+        it = iter(loader)
+        for _ in range(5):
+            next(it)
+        print(*[w.pid for w in it._workers], flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """), stdout=subprocess.PIPE, text=True)
+    pids = [int(p) for p in proc.stdout.readline().split()]
+    proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL and len(pids) == 2
+    assert wait_until(lambda: not any(alive(p) for p in pids), timeout=10), "workers outlived main"
+    assert set(os.listdir("/dev/shm")) <= shm_before
+
+
+def test_ctrl_c_stops_cleanly():
+    proc = subprocess.Popen(_script("""
+        from datasets import SlowDataset
+        from fastfeed import FastLoader
+        loader = FastLoader(SlowDataset(delay=0.2), batch_size=2, num_workers=2)
+        it = iter(loader)
+        print(*[w.pid for w in it._workers], flush=True)
+        for batch in it:
+            pass
+    """), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pids = [int(p) for p in proc.stdout.readline().split()]
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=20)
+    assert "KeyboardInterrupt" in err
+    assert wait_until(lambda: not any(alive(p) for p in pids), timeout=10)
+
+
+def test_many_abandoned_iterators_leak_nothing():
+    before = snapshot()
+    generator = torch.Generator().manual_seed(0)
+    loader = FastLoader(TensorDataset(n=64), batch_size=4, num_workers=2)
+
+    def partial_epoch(stop):
+        for i, _ in enumerate(loader):
+            if i == stop:
+                break
+
+    for _ in range(30):
+        partial_epoch(int(torch.randint(0, 17, (), generator=generator)))
+    assert_no_leaks(before)

@@ -1,0 +1,162 @@
+"""Slot lifetime (DESIGN.md invariant 2) and the ring's fallbacks."""
+
+import gc
+
+import numpy as np
+import pytest
+import torch
+from datasets import DetectionDataset, TensorDataset, detection_collate
+from helpers import assert_same, compare
+from torch.utils.data import DataLoader, Dataset
+
+from fastfeed import FastLoader
+from fastfeed.ring import SlotRing
+
+
+def clone(batch):
+    if isinstance(batch, torch.Tensor):
+        return batch.clone()
+    if isinstance(batch, np.ndarray):
+        return batch.copy()
+    if isinstance(batch, dict):
+        return {k: clone(v) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(clone(v) for v in batch)
+    return batch
+
+
+def ring_of(loader):
+    return loader._iterator._ring
+
+
+def test_batches_are_views_of_ring_slots():
+    loader = FastLoader(TensorDataset(n=64), batch_size=4, num_workers=2, persistent_workers=True)
+    list(loader)  # the first epoch learns the slot size
+    ring = ring_of(loader)
+    in_slot = [b[0].untyped_storage().nbytes() == ring.slot_bytes for b in loader]
+    assert all(in_slot), in_slot
+
+
+@pytest.mark.parametrize("ring_slots", [1, 3, None])
+def test_hoarded_batches_never_change(ring_slots):
+    # The user keeps every batch of two epochs; later batches must not overwrite any of them.
+    loader = FastLoader(TensorDataset(n=60), batch_size=4, num_workers=2, shuffle=True,
+                        persistent_workers=True, ring_slots=ring_slots)
+    kept, copies = [], []
+    for _ in range(2):
+        for batch in loader:
+            kept.append(batch)
+            copies.append(clone(batch))
+    assert_same(kept, copies)
+    _, allocated = ring_of(loader).occupancy
+    assert allocated <= (ring_slots if ring_slots is not None else 2 * 2 + 2)
+
+
+def test_a_held_view_keeps_its_slot():
+    loader = FastLoader(TensorDataset(n=80), batch_size=4, num_workers=2, persistent_workers=True,
+                        ring_slots=3)
+    list(loader)
+    iterator = iter(loader)
+    view = next(iterator)[0][1, :, 2:5]  # the batch itself is dropped; only a view survives
+    expected = view.clone()
+    for _ in iterator:
+        pass
+    assert torch.equal(view, expected)
+
+
+def test_slots_return_when_batches_die():
+    loader = FastLoader(TensorDataset(n=80), batch_size=4, num_workers=2, persistent_workers=True)
+    list(loader)
+    held = list(loader)
+    used_while_held, _ = ring_of(loader).occupancy
+    assert used_while_held > 0
+    del held
+    gc.collect()
+    assert ring_of(loader).occupancy[0] == 0
+
+
+def test_custom_collate_tensors_and_arrays_go_to_the_slot():
+    loader = FastLoader(DetectionDataset(n=40), batch_size=4, num_workers=2,
+                        collate_fn=detection_collate, persistent_workers=True)
+    list(loader)
+    batch = next(iter(loader))
+    slot_bytes = ring_of(loader).slot_bytes
+    assert batch["img"].untyped_storage().nbytes() == slot_bytes
+    assert batch["bboxes"].untyped_storage().nbytes() == slot_bytes
+    base = batch["numpy"]
+    while base.base is not None and not (isinstance(base.base, np.ndarray)
+                                         and base.base.nbytes == slot_bytes):
+        base = base.base
+    assert base.base is not None, "numpy leaf was not rebuilt from the slot"
+
+
+class GrowingDataset(Dataset):
+    """Later samples are much larger than the first ones: batches outgrow their slots."""
+
+    def __len__(self):
+        return 48
+
+    def __getitem__(self, i):
+        size = 4 if i < 16 else 64
+        return torch.full((size, size), i, dtype=torch.int32)
+
+
+def growing_collate(samples):
+    return [s.clone() for s in samples]
+
+
+def test_variable_sizes_overflow_then_grow():
+    compare(GrowingDataset, batch_size=4, num_workers=2, collate_fn=growing_collate, epochs=2,
+            persistent_workers=True)
+    loader = FastLoader(GrowingDataset(), batch_size=4, num_workers=2,
+                        collate_fn=growing_collate, persistent_workers=True)
+    list(loader)
+    # The slot size follows the largest batch seen (with headroom).
+    assert ring_of(loader).slot_bytes >= 4 * 64 * 64 * 4
+
+
+def test_ring_is_bounded_across_epochs():
+    loader = FastLoader(TensorDataset(n=40), batch_size=4, num_workers=2, persistent_workers=True)
+    sizes = []
+    for _ in range(5):
+        list(loader)
+        sizes.append(ring_of(loader).nbytes)
+    assert sizes[1:] == sizes[1:2] * 4
+    assert sizes[-1] <= ring_of(loader).max_slots * ring_of(loader).slot_bytes
+
+
+def test_ring_learns_size_across_non_persistent_epochs():
+    loader = FastLoader(TensorDataset(n=40), batch_size=4, num_workers=2)
+    list(loader)
+    assert loader._ring_slot_bytes > 0
+
+
+def test_ring_refuses_slots_larger_than_memory(monkeypatch):
+    import fastfeed.ring as ring_module
+
+    monkeypatch.setattr(ring_module, "_available_memory", lambda: 1 << 16)
+    with pytest.warns(RuntimeWarning, match="does not fit"):
+        compare(lambda: TensorDataset(n=24, shape=(3, 64, 64)), batch_size=8, num_workers=2,
+                epochs=2, persistent_workers=True)
+
+
+def test_pickled_ring_is_empty():
+    import pickle
+
+    ring = SlotRing(4, slot_bytes=8192)
+    ring.acquire()
+    clone_ = pickle.loads(pickle.dumps(ring))
+    assert clone_.nbytes == 0 and clone_.slot_bytes == 8192 and clone_.max_slots == 4
+
+
+def test_mutating_a_batch_does_not_affect_the_next():
+    # torch hands out fresh memory every batch; a user who writes into a batch must not see it
+    # come back in a later batch from a reused slot.
+    def run(cls):
+        out = []
+        for batch in cls(TensorDataset(n=40), batch_size=4, num_workers=2):
+            out.append(batch[0].clone())
+            batch[0].zero_()
+        return out
+
+    assert_same(run(DataLoader), run(FastLoader))
