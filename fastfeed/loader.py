@@ -36,7 +36,7 @@ class FastLoader(DataLoader):
             (default) allocates ``prefetch_factor * num_workers + 2``: enough for every
             in-flight task, the batch being returned and the one the training loop still
             holds. ``0`` disables the ring. Memory is about ``ring_slots`` times the size of
-            one batch's tensors (plus 25 % headroom for variable-size batches).
+            one batch's tensors (plus 25 % headroom once batch sizes vary).
 
     Example:
         >>> from fastfeed import FastLoader as DataLoader

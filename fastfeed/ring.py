@@ -109,12 +109,22 @@ class SlotRing:
         self._next_id = 0
         self._lock = threading.Lock()
         self._warned_memory = False
+        self._seen: int | None = None
+        self._varies = False
 
     # -- sizing ------------------------------------------------------------------------------
     def note_required(self, nbytes: int) -> None:
-        """Record that a batch needed ``nbytes`` of slot space; new slots will fit it."""
+        """Record that a batch needed ``nbytes`` of slot space; new slots will fit it.
+
+        Fixed-size batches get slots of exactly their size. Once sizes are seen to vary
+        (detection targets, ragged leaves), slots grow with headroom, so that they are not
+        outgrown (and replaced) at every new maximum.
+        """
+        self._varies |= self._seen is not None and nbytes != self._seen
+        self._seen = nbytes
         if nbytes > self.slot_bytes:
-            self.slot_bytes = _round_up(int(nbytes * _HEADROOM), mmap.PAGESIZE)
+            headroom = _HEADROOM if self._varies else 1.0
+            self.slot_bytes = _round_up(int(nbytes * headroom), mmap.PAGESIZE)
 
     @property
     def nbytes(self) -> int:

@@ -1,0 +1,196 @@
+"""Pipeline overhead: the stock DataLoader against FastLoader on fixed-size samples.
+
+The dataset returns pre-made 3×224×224 tensors, so what is measured is the loader itself:
+collation, moving batches between processes, and handing them over. The consumer reads one
+byte of every 4 KiB page of each batch, as a host-to-device copy would touch every page.
+
+Each measurement runs in its own process (clean peak RSS), the two loaders interleaved, and
+the medians of ``--repeats`` runs are reported as a ratio. On a GPU, the script also measures
+host-to-device bandwidth from the ring against the pinned cudaMemcpy peak.
+
+    python benchmarks/overhead.py                  # the RESULTS.md table
+    python benchmarks/overhead.py --quick          # a fast smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from fastfeed import FastLoader  # noqa: E402
+from fastfeed.progress import progress  # noqa: E402
+
+DTYPES = {"uint8": torch.uint8, "float32": torch.float32}
+LOADERS = {"stock": DataLoader, "fastfeed": FastLoader}
+PAGE = 4096
+
+
+class FixedSamples(Dataset):
+    """Cheap to index: returns one of 16 pre-made samples."""
+
+    def __init__(self, dtype: torch.dtype, length: int = 1_000_000) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.samples = [(torch.rand(3, 224, 224, generator=g) * 255).to(dtype) for _ in range(16)]
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.samples[i % 16]
+
+
+def touch(batch: torch.Tensor) -> int:
+    flat = batch.view(-1).view(torch.uint8)
+    return int(flat[::PAGE].sum())
+
+
+def measure_one(loader_name: str, dtype: str, batch_size: int, workers: int, batches: int) -> dict:
+    """Batches/s of one loader in this process, after a warm-up."""
+    loader = LOADERS[loader_name](FixedSamples(DTYPES[dtype]), batch_size=batch_size,
+                                  num_workers=workers)
+    iterator = iter(loader)
+    for _ in range(5):
+        touch(next(iterator))
+    start = time.perf_counter()
+    for _ in range(batches):
+        touch(next(iterator))
+    elapsed = time.perf_counter() - start
+    ring = getattr(iterator, "_ring", None)
+    ring_bytes = ring.nbytes if ring is not None else 0
+    del iterator
+    return {
+        "batches_per_s": batches / elapsed,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "ring_mb": ring_bytes / 2**20,
+    }
+
+
+def memcpy_bound(nbytes: int, repeats: int = 10) -> float:
+    """GB/s of one np.copyto of ``nbytes`` into a pre-faulted buffer (median)."""
+    src = np.ones(nbytes, dtype=np.uint8)
+    dst = np.zeros(nbytes, dtype=np.uint8)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        np.copyto(dst, src)
+        times.append(time.perf_counter() - start)
+    return nbytes / statistics.median(times) / 1e9
+
+
+def h2d_figures(batch_size: int, repeats: int = 5) -> dict:
+    """On a GPU: H2D GB/s from the ring against a pinned cudaMemcpy of the same size."""
+    nbytes = batch_size * 3 * 224 * 224
+    device = torch.device("cuda")
+    pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def copy_seconds(src: torch.Tensor) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src.view(-1).view(torch.uint8), non_blocking=True)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+    for _ in range(3):
+        copy_seconds(pinned)
+    peak = nbytes / statistics.median(copy_seconds(pinned) for _ in range(repeats * 4)) / 1e9
+    loader = FastLoader(FixedSamples(torch.uint8), batch_size=batch_size, num_workers=2,
+                        pin_memory=True, persistent_workers=True)
+    ring_rates = []
+    for i, batch in enumerate(loader):
+        if i >= 5:  # the ring learns the batch size on the first batches
+            assert batch.is_pinned(), "ring batch is not page-locked"
+            ring_rates.append(nbytes / copy_seconds(batch) / 1e9)
+        if len(ring_rates) == repeats * 4:
+            break
+    ring = statistics.median(ring_rates)
+    return {"pinned_peak_gbs": peak, "ring_gbs": ring, "ring_pct_of_peak": 100 * ring / peak}
+
+
+def run_child(args: list[str]) -> dict:
+    out = subprocess.run([sys.executable, __file__, "--child", *args], capture_output=True,
+                         text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtypes", nargs="+", default=["uint8", "float32"], choices=DTYPES)
+    parser.add_argument("--batch-sizes", nargs="+", type=int, default=[64, 128, 256])
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--samples", type=int, default=8192,
+                        help="samples timed per run (batches = samples / batch size)")
+    parser.add_argument("--quick", action="store_true", help="1 dtype, 1 batch size, 2 repeats")
+    parser.add_argument("--json", type=Path, help="also write the raw figures here")
+    parser.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.child:
+        name, dtype, bs, workers, batches = args.child
+        print(json.dumps(measure_one(name, dtype, int(bs), int(workers), int(batches))))
+        return
+    if args.quick:
+        args.dtypes, args.batch_sizes, args.repeats, args.samples = ["uint8"], [128], 2, 2048
+
+    configs = [(d, bs) for d in args.dtypes for bs in args.batch_sizes]
+    jobs = [(c, r, name) for c in configs for r in range(args.repeats)
+            for name in (("stock", "fastfeed") if r % 2 == 0 else ("fastfeed", "stock"))]
+    raw: dict[tuple, dict[str, list[dict]]] = {c: {"stock": [], "fastfeed": []} for c in configs}
+    for (dtype, bs), _, name in progress(jobs, total=len(jobs), desc="runs"):
+        batches = max(10, args.samples // bs)
+        raw[(dtype, bs)][name].append(
+            run_child([name, dtype, str(bs), str(args.workers), str(batches)]))
+
+    rows = []
+    for (dtype, bs), runs in raw.items():
+        batch_bytes = bs * 3 * 224 * 224 * DTYPES[dtype].itemsize
+        bound = memcpy_bound(batch_bytes)
+        med = {name: statistics.median(r["batches_per_s"] for r in runs[name]) for name in runs}
+        rss = {name: statistics.median(r["peak_rss_mb"] for r in runs[name]) for name in runs}
+        fast_gbs = med["fastfeed"] * batch_bytes / 1e9
+        rows.append({
+            "dtype": dtype, "batch_size": bs, "batch_mb": batch_bytes / 1e6,
+            "stock_batches_s": med["stock"], "fastfeed_batches_s": med["fastfeed"],
+            "ratio": med["fastfeed"] / med["stock"],
+            "fastfeed_gbs": fast_gbs, "memcpy_gbs": bound, "pct_of_memcpy": 100 * fast_gbs / bound,
+            "stock_peak_rss_mb": rss["stock"], "fastfeed_peak_rss_mb": rss["fastfeed"],
+            "ring_mb": statistics.median(r["ring_mb"] for r in runs["fastfeed"]),
+        })
+
+    print(f"\n{args.workers} workers, {args.repeats} interleaved runs each, medians\n")
+    print("| dtype | batch | MB/batch | stock batches/s | fastfeed batches/s | ratio "
+          "| fastfeed GB/s | % of memcpy | peak RSS stock / fastfeed (ring) MB |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['dtype']} | {r['batch_size']} | {r['batch_mb']:.1f} "
+              f"| {r['stock_batches_s']:.1f} | {r['fastfeed_batches_s']:.1f} "
+              f"| **{r['ratio']:.2f}×** | {r['fastfeed_gbs']:.1f} | {r['pct_of_memcpy']:.0f} % "
+              f"| {r['stock_peak_rss_mb']:.0f} / {r['fastfeed_peak_rss_mb']:.0f} "
+              f"({r['ring_mb']:.0f}) |")
+    result: dict = {"rows": rows}
+    if torch.cuda.is_available():
+        result["h2d"] = h2d_figures(max(args.batch_sizes))
+        h = result["h2d"]
+        print(f"\nH2D on {torch.cuda.get_device_name()}: ring {h['ring_gbs']:.1f} GB/s, pinned "
+              f"peak {h['pinned_peak_gbs']:.1f} GB/s ({h['ring_pct_of_peak']:.0f} %)")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
