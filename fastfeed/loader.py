@@ -5,12 +5,18 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from fastfeed._torch_compat import is_datapipe
+from fastfeed.device import DeviceIterator, resolve_device
 from fastfeed.iterators import SingleProcessIterator, WorkerPoolIterator
 
 __all__ = ["FastLoader"]
+
+
+def _is_int(value: Any, minimum: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
 
 
 class FastLoader(DataLoader):
@@ -35,8 +41,20 @@ class FastLoader(DataLoader):
         ring_slots (int, optional): how many ring slots the worker pool may allocate. ``None``
             (default) allocates ``prefetch_factor * num_workers + 2``: enough for every
             in-flight task, the batch being returned and the one the training loop still
-            holds. ``0`` disables the ring. Memory is about ``ring_slots`` times the size of
-            one batch's tensors (plus 25 % headroom once batch sizes vary).
+            holds (plus ``prefetch_depth + 1`` with ``device``). ``0`` disables the ring.
+            Memory is about ``ring_slots`` times the size of one batch's tensors (plus 25 %
+            headroom once batch sizes vary).
+        device (str or torch.device, optional): deliver batches on this device. With CUDA,
+            every tensor of a batch is copied ``non_blocking`` from its page-locked ring slot
+            on a side stream created once per loader, ``prefetch_depth`` batches ahead; the
+            consumer's current stream waits on the copy. A bare ``"cuda"`` means
+            ``LOCAL_RANK``'s GPU under torchrun, else the current device. ``"cpu"`` runs the
+            same path without streams. Default: ``None`` (batches stay on the host).
+        prefetch_depth (int): batches copied ahead of the consumer. Default: ``2``.
+        gpu_transform (callable, optional): applied to each batch on the device, on the copy
+            stream, right after the copy: for example
+            ``fastfeed.transforms.Normalize(key=0, dtype=torch.float16)``. Transforms with a
+            ``seed`` method are seeded from the iterator's base seed. Requires ``device``.
 
     Example:
         >>> from fastfeed import FastLoader as DataLoader
@@ -66,12 +84,23 @@ class FastLoader(DataLoader):
         pin_memory_device: str = "",
         in_order: bool = True,
         ring_slots: int | None = None,
+        device: str | int | torch.device | None = None,
+        prefetch_depth: int = 2,
+        gpu_transform: Callable[[Any], Any] | None = None,
     ) -> None:
-        if ring_slots is not None and (
-            isinstance(ring_slots, bool) or not isinstance(ring_slots, int) or ring_slots < 0
-        ):
+        if ring_slots is not None and not _is_int(ring_slots, minimum=0):
             raise ValueError(f"ring_slots should be None or a non-negative int, got {ring_slots!r}")
+        if not _is_int(prefetch_depth, minimum=1):
+            raise ValueError(f"prefetch_depth should be a positive int, got {prefetch_depth!r}")
+        if gpu_transform is not None and not callable(gpu_transform):
+            raise TypeError(f"gpu_transform should be callable, got {type(gpu_transform).__name__}")
+        if gpu_transform is not None and device is None:
+            raise ValueError("gpu_transform runs on the device: pass device='cuda' (or 'cpu')")
         self.ring_slots = ring_slots
+        self.device = None if device is None else resolve_device(device)
+        self.prefetch_depth = prefetch_depth
+        self.gpu_transform = gpu_transform
+        self._copy_stream: Any = None  # one per loader, created on first use
         # Learned by the first iterator, so later epochs' rings start at the right size.
         self._ring_slot_bytes = 0
         super().__init__(
@@ -93,6 +122,29 @@ class FastLoader(DataLoader):
             pin_memory_device=pin_memory_device,
             in_order=in_order,
         )
+
+    @property
+    def _pins_ring(self) -> bool:
+        """Page-lock ring slots: the batches are headed for a CUDA device."""
+        wants_cuda = self.pin_memory or (self.device is not None and self.device.type == "cuda")
+        return wants_cuda and torch.cuda.is_available()
+
+    @property
+    def _batches_held_by_prefetch(self) -> int:
+        """Host batches the device prefetcher holds: ready ones, plus one being copied."""
+        return 0 if self.device is None else self.prefetch_depth + 1
+
+    def __iter__(self) -> Any:
+        host = super().__iter__()
+        if self.device is None:
+            return host
+        if self.gpu_transform is not None and hasattr(self.gpu_transform, "seed"):
+            # Seeded from the base seed the iterator already drew: no extra generator draws.
+            self.gpu_transform.seed(host._base_seed)
+        if self.device.type == "cuda" and self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(self.device)
+        stream = self._copy_stream if self.device.type == "cuda" else None
+        return DeviceIterator(host, self.device, self.prefetch_depth, self.gpu_transform, stream)
 
     def _get_iterator(self) -> Any:
         if is_datapipe(self.dataset):

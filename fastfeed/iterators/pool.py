@@ -89,9 +89,9 @@ class WorkerPoolIterator(BaseIterator):
 
         slots = loader.ring_slots
         if slots is None:
-            slots = self._max_tasks + _SPARE_SLOTS
+            slots = self._max_tasks + _SPARE_SLOTS + loader._batches_held_by_prefetch
         self._ring = (
-            SlotRing(slots, pin=self._pin_memory, slot_bytes=loader._ring_slot_bytes)
+            SlotRing(slots, pin=loader._pins_ring, slot_bytes=loader._ring_slot_bytes)
             if slots > 0 and ring_supported()
             else None
         )

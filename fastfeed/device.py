@@ -1,0 +1,132 @@
+"""Device prefetch: copy batches to the GPU on a side stream, some batches ahead.
+
+Each host batch is copied ``non_blocking`` on one copy stream per loader, and
+``gpu_transform`` runs on that stream right after the copy. An event marks the end of that
+work. The consumer's stream waits on the event, and every device tensor is marked with
+``record_stream`` so that the caching allocator does not hand its memory out again while the
+consumer may still use it. The host batch (and with it its ring slot) is kept until the event
+has completed: a slot is never released while the copy engine can still read it.
+
+On ``device="cpu"`` the same code path runs without streams or events.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from fastfeed.tree import map_tensors
+
+__all__ = ["DeviceIterator", "resolve_device"]
+
+
+def resolve_device(device: str | int | torch.device) -> torch.device:
+    """Parse ``device``; a bare ``"cuda"`` means this process's GPU (LOCAL_RANK under torchrun).
+
+    Raises:
+        ValueError: the string is not a device, or CUDA is requested but unavailable.
+    """
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise ValueError(f"device={device!r} is not a valid torch device: {error}") from None
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"device={device!r} was requested but CUDA is not available "
+                "(torch.cuda.is_available() is False); use device='cpu' or None"
+            )
+        if resolved.index is None:
+            local_rank = os.environ.get("LOCAL_RANK")
+            index = int(local_rank) if local_rank is not None else torch.cuda.current_device()
+            resolved = torch.device("cuda", index)
+    elif resolved.type != "cpu":
+        raise ValueError(f"device={device!r}: fastfeed prefetches to 'cpu' or 'cuda' devices")
+    return resolved
+
+
+def _to_device(device: torch.device, non_blocking: bool) -> Callable[[torch.Tensor], Any]:
+    def move(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(device, non_blocking=non_blocking)
+
+    return move
+
+
+class DeviceIterator:
+    """Wraps a host iterator; yields batches already on ``device``, ``depth`` batches ahead."""
+
+    def __init__(
+        self,
+        host: Iterator[Any],
+        device: torch.device,
+        depth: int,
+        transform: Callable[[Any], Any] | None,
+        stream: Any = None,
+    ) -> None:
+        self._host = host
+        self._device = device
+        self._depth = depth
+        self._transform = transform
+        self._stream = stream  # None on CPU
+        self._move = _to_device(device, non_blocking=stream is not None)
+        self._ready: deque[tuple[Any, Any, Any]] = deque()  # (device batch, event, host batch)
+        self._in_flight: deque[tuple[Any, Any]] = deque()  # (event, host batch) being read
+        self._exhausted = False
+
+    def __iter__(self) -> DeviceIterator:
+        return self
+
+    def __len__(self) -> int:
+        return len(self._host)  # type: ignore[arg-type]
+
+    def _stage(self, host_batch: Any) -> tuple[Any, Any, Any]:
+        if self._stream is None:
+            batch = map_tensors(self._move, host_batch)
+            if self._transform is not None:
+                batch = self._transform(batch)
+            return batch, None, None
+        with torch.cuda.stream(self._stream):
+            batch = map_tensors(self._move, host_batch)
+            if self._transform is not None:
+                batch = self._transform(batch)
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        return batch, event, host_batch
+
+    def _fill(self) -> None:
+        while not self._exhausted and len(self._ready) < self._depth:
+            try:
+                host_batch = next(self._host)
+            except StopIteration:
+                self._exhausted = True
+                return
+            self._ready.append(self._stage(host_batch))
+
+    def _release_copied(self) -> None:
+        # Host batches (and their ring slots) go only once the copy engine is done with them.
+        while self._in_flight and self._in_flight[0][0].query():
+            self._in_flight.popleft()
+
+    def __next__(self) -> Any:
+        self._release_copied()
+        self._fill()
+        if not self._ready:
+            raise StopIteration
+        batch, event, host_batch = self._ready.popleft()
+        if event is not None:
+            consumer = torch.cuda.current_stream(self._device)
+            consumer.wait_event(event)
+
+            def mark(tensor: torch.Tensor) -> torch.Tensor:
+                if tensor.is_cuda:
+                    tensor.record_stream(consumer)
+                return tensor
+
+            map_tensors(mark, batch)
+            self._in_flight.append((event, host_batch))
+        self._fill()  # queue the next copies now, so that they overlap the consumer's step
+        return batch

@@ -1,0 +1,152 @@
+"""Device prefetch: the CPU path everywhere, the CUDA path where a GPU is present."""
+
+import gc
+
+import pytest
+import torch
+from datasets import DetectionDataset, MixedDataset, TensorDataset, detection_collate
+from helpers import assert_same, compare
+from torch.utils.data import DataLoader
+
+from fastfeed import FastLoader
+from fastfeed import transforms as T
+from fastfeed.device import resolve_device
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("dataset", [MixedDataset, TensorDataset])
+def test_cpu_device_gives_the_same_batches(num_workers, dataset):
+    compare(dataset, batch_size=4, num_workers=num_workers, shuffle=True, generator=4,
+            fast={"device": "cpu", "prefetch_depth": 3}, epochs=2)
+
+
+def test_gpu_transform_on_cpu_matches_reference():
+    normalize = T.Normalize(key=0, dtype=torch.float16)
+    expected = [normalize(b) for b in DataLoader(TensorDataset(), batch_size=4, num_workers=2)]
+    got = list(FastLoader(TensorDataset(), batch_size=4, num_workers=2, device="cpu",
+                          gpu_transform=normalize))
+    assert_same(expected, got)
+
+
+def test_detection_batches_with_flip_end_to_end():
+    def pipeline():
+        return T.Compose([
+            T.RandomHorizontalFlip(key="img", boxes_key="bboxes", batch_idx_key="batch_idx"),
+            T.Normalize(key="img"),
+        ])
+
+    loader = FastLoader(DetectionDataset(), batch_size=4, num_workers=2, collate_fn=detection_collate,
+                        device="cpu", gpu_transform=pipeline(), generator=torch.Generator().manual_seed(0))
+    got = list(loader)
+    # Reference: the same transform, seeded from the same base seed, on torch's batches.
+    reference = pipeline()
+    reference.seed(int(torch.empty((), dtype=torch.int64).random_(
+        generator=torch.Generator().manual_seed(0)).item()))
+    expected = [reference(b) for b in DataLoader(DetectionDataset(), batch_size=4, num_workers=2,
+                                                 collate_fn=detection_collate)]
+    assert_same(expected, got)
+    assert got[0]["img"].dtype == torch.float32 and got[0]["im_files"][0] == "0.jpg"
+
+
+def test_seeded_loader_repeats_its_augmentations():
+    def run():
+        loader = FastLoader(TensorDataset(), batch_size=4, num_workers=2, device="cpu",
+                            gpu_transform=T.RandomErasing(p=1.0, key=0),
+                            generator=torch.Generator().manual_seed(11))
+        return [list(loader) for _ in range(2)]
+
+    first, second = run(), run()
+    assert_same(first, second)
+    assert not torch.equal(first[0][0][0], first[1][0][0])  # epochs differ from each other
+
+
+@pytest.mark.parametrize(("kwargs", "error", "match"), [
+    ({"device": "nonsense"}, ValueError, "not a valid torch device"),
+    ({"device": "meta"}, ValueError, "'cpu' or 'cuda'"),
+    ({"gpu_transform": T.Normalize()}, ValueError, "gpu_transform runs on the device"),
+    ({"device": "cpu", "gpu_transform": 3}, TypeError, "callable"),
+    ({"device": "cpu", "prefetch_depth": 0}, ValueError, "prefetch_depth"),
+])
+def test_bad_device_arguments(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        FastLoader(TensorDataset(), **kwargs)
+
+
+def test_cuda_requested_without_cuda_is_an_error():
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU-only behaviour")
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        FastLoader(TensorDataset(), device="cuda")
+
+
+def test_bare_cuda_means_local_rank(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert resolve_device("cuda") == torch.device("cuda", 3)
+    assert resolve_device("cuda:1") == torch.device("cuda", 1)
+
+
+def test_no_slot_leaks_across_epochs_on_the_device_path():
+    loader = FastLoader(TensorDataset(n=64), batch_size=4, num_workers=2, device="cpu",
+                        persistent_workers=True)
+    for _ in range(4):
+        for _batch in loader:
+            pass
+    del _batch
+    gc.collect()
+    ring = loader._iterator._ring
+    used, allocated = ring.occupancy
+    assert used == 0 and allocated <= ring.max_slots
+
+
+# -- on a GPU ---------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_batches_arrive_on_the_device():
+    loader = FastLoader(DetectionDataset(), batch_size=4, num_workers=2, device="cuda",
+                        collate_fn=detection_collate, gpu_transform=T.Normalize(key="img"))
+    for batch in loader:
+        assert batch["img"].is_cuda and batch["bboxes"].is_cuda and batch["batch_idx"].is_cuda
+        assert batch["img"].dtype == torch.float32
+        assert isinstance(batch["im_files"], list)
+
+
+@pytest.mark.gpu
+def test_stream_safety_under_a_slow_consumer():
+    # A long kernel on the consumer stream while later batches are copied: no batch the user
+    # holds may ever change. Each batch is compared with torch's on the host afterwards.
+    expected = list(DataLoader(TensorDataset(n=96, shape=(3, 64, 64)), batch_size=8, num_workers=2))
+    loader = FastLoader(TensorDataset(n=96, shape=(3, 64, 64)), batch_size=8, num_workers=2,
+                        device="cuda", prefetch_depth=4, ring_slots=8)
+    big = torch.randn(4096, 4096, device="cuda")
+    held = []
+    for batch in loader:
+        for _ in range(4):
+            big = big @ big / 64  # keeps the consumer stream busy
+        held.append(batch)
+    torch.cuda.synchronize()
+    assert_same([tuple(t.cpu() for t in e) for e in expected],
+                [tuple(t.cpu() for t in b) for b in held])
+
+
+@pytest.mark.gpu
+def test_device_memory_is_flat_across_epochs():
+    loader = FastLoader(TensorDataset(n=128, shape=(3, 64, 64)), batch_size=16, num_workers=2,
+                        device="cuda", persistent_workers=True, gpu_transform=T.Normalize(key=0))
+    readings = []
+    for _ in range(6):
+        for _batch in loader:
+            pass
+        del _batch
+        torch.cuda.synchronize()
+        readings.append(torch.cuda.memory_allocated())
+    assert readings[-1] <= readings[1]
+    assert loader._copy_stream is not None  # one stream for all epochs
+
+
+@pytest.mark.gpu
+def test_ring_slots_are_page_locked():
+    loader = FastLoader(TensorDataset(n=64), batch_size=4, num_workers=2, pin_memory=True,
+                        persistent_workers=True)
+    list(loader)
+    assert all(batch[0].is_pinned() for batch in loader)
