@@ -23,7 +23,7 @@ def progress(items: Iterable[T], total: int | None = None, desc: str = "") -> It
 
 def _plain(items: Iterable[T], total: int | None, desc: str) -> Iterator[T]:
     count = 0
-    for count, item in enumerate(items, 1):  # noqa: B007 - count is reported after the loop
+    for count, item in enumerate(items, 1):
         suffix = f"/{total}" if total else ""
         print(f"\r{desc} {count}{suffix}", end="", file=sys.stderr, flush=True)
         yield item

@@ -35,8 +35,9 @@ def test_detection_batches_with_flip_end_to_end():
             T.Normalize(key="img"),
         ])
 
-    loader = FastLoader(DetectionDataset(), batch_size=4, num_workers=2, collate_fn=detection_collate,
-                        device="cpu", gpu_transform=pipeline(), generator=torch.Generator().manual_seed(0))
+    loader = FastLoader(DetectionDataset(), batch_size=4, num_workers=2,
+                        collate_fn=detection_collate, device="cpu", gpu_transform=pipeline(),
+                        generator=torch.Generator().manual_seed(0))
     got = list(loader)
     # Reference: the same transform, seeded from the same base seed, on torch's batches.
     reference = pipeline()
