@@ -1,0 +1,28 @@
+"""The benchmark scripts run (tiny settings, CPU): figures come from them, so they must work."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(script, *args):
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args],
+                          capture_output=True, text=True, check=True, timeout=300).stdout
+
+
+def test_train_step_runs_on_cpu(tmp_path):
+    out = run("train_step.py", "--device", "cpu", "--steps", "3", "--warmup", "1",
+              "--repeats", "1", "--json", str(tmp_path / "t.json"))
+    assert "| fastfeed |" in out and "| stock |" in out and "| synthetic |" in out
+    summary = json.loads((tmp_path / "t.json").read_text())["summary"]
+    assert all(0 <= s["stall_pct"] <= 100 for s in summary.values())
+
+
+def test_overhead_quick(tmp_path):
+    out = run("overhead.py", "--quick", "--samples", "512", "--json", str(tmp_path / "o.json"))
+    rows = json.loads((tmp_path / "o.json").read_text())["rows"]
+    assert len(rows) == 1 and rows[0]["ratio"] > 0
+    assert "| uint8 | 128 |" in out
