@@ -73,15 +73,26 @@ class DeviceIterator:
         self._transform = transform
         self._stream = stream  # None on CPU
         self._move = _to_device(device, non_blocking=stream is not None)
-        self._ready: deque[tuple[Any, Any, Any]] = deque()  # (device batch, event, host batch)
+        # (device batch, event, host batch, the host's snapshot after handing it over)
+        self._ready: deque[tuple[Any, Any, Any, Any]] = deque()
         self._in_flight: deque[tuple[Any, Any]] = deque()  # (event, host batch) being read
         self._exhausted = False
+        # Batches copied ahead are not delivered yet: resume from the last delivered one.
+        self._delivered_state = self._host_state()
 
     def __iter__(self) -> DeviceIterator:
         return self
 
     def __len__(self) -> int:
         return len(self._host)  # type: ignore[arg-type]
+
+    def state_dict(self) -> Any:
+        """The host iterator's snapshot as of the last batch this iterator delivered."""
+        return self._delivered_state
+
+    def _host_state(self) -> Any:
+        # torch's own iterators (used for DataPipes) keep no snapshot.
+        return self._host.state_dict() if hasattr(self._host, "state_dict") else None
 
     def _stage(self, host_batch: Any) -> tuple[Any, Any, Any]:
         if self._stream is None:
@@ -104,7 +115,7 @@ class DeviceIterator:
             except StopIteration:
                 self._exhausted = True
                 return
-            self._ready.append(self._stage(host_batch))
+            self._ready.append((*self._stage(host_batch), self._host_state()))
 
     def _release_copied(self) -> None:
         # Host batches (and their ring slots) go only once the copy engine is done with them.
@@ -115,8 +126,9 @@ class DeviceIterator:
         self._release_copied()
         self._fill()
         if not self._ready:
+            self._delivered_state = self._host_state()
             raise StopIteration
-        batch, event, host_batch = self._ready.popleft()
+        batch, event, host_batch, self._delivered_state = self._ready.popleft()
         if event is not None:
             consumer = torch.cuda.current_stream(self._device)
             consumer.wait_event(event)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -11,6 +12,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from fastfeed._torch_compat import is_datapipe
 from fastfeed.device import DeviceIterator, resolve_device
 from fastfeed.iterators import SingleProcessIterator, WorkerPoolIterator
+from fastfeed.resume import EpochStart, LoaderState
 
 __all__ = ["FastLoader"]
 
@@ -101,6 +103,8 @@ class FastLoader(DataLoader):
         self.prefetch_depth = prefetch_depth
         self.gpu_transform = gpu_transform
         self._copy_stream: Any = None  # one per loader, created on first use
+        self._pending_resume: LoaderState | None = None
+        self._live_iterator: Callable[[], Any] = lambda: None
         # Learned by the first iterator, so later epochs' rings start at the right size.
         self._ring_slot_bytes = 0
         super().__init__(
@@ -134,8 +138,42 @@ class FastLoader(DataLoader):
         """Host batches the device prefetcher holds: ready ones, plus one being copied."""
         return 0 if self.device is None else self.prefetch_depth + 1
 
+    def state_dict(self) -> dict[str, Any]:
+        """Return a snapshot from which :meth:`load_state_dict` resumes at the next batch.
+
+        Taken mid-epoch, a new loader built with the same arguments and given this state
+        yields exactly the batches this one would have yielded next, and the same later
+        epochs. Map-style datasets with torch's samplers resume by skipping the delivered
+        index batches (nothing is loaded again); an IterableDataset resumes from its own
+        ``state_dict()``/``load_state_dict()`` if it has them (one state per worker replica,
+        so keep ``num_workers``), else by reading and discarding the delivered batches.
+
+        Shuffling without ``generator=`` draws from torch's global RNG: then the state holds
+        that RNG's state at the start of the epoch, and loading it restores it, as
+        :func:`torch.set_rng_state` would. The state is small and picklable.
+        """
+        iterator = self._live_iterator()
+        if iterator is None:
+            return LoaderState(epoch_start=EpochStart.capture(self.generator)).to_dict()
+        state = iterator.state_dict() if hasattr(iterator, "state_dict") else None
+        if state is None:
+            raise TypeError("DataPipe datasets run on torch's iterators and cannot be resumed")
+        return state.to_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Make the next ``iter(loader)`` resume from ``state_dict`` (see :meth:`state_dict`)."""
+        self._pending_resume = LoaderState.from_dict(state_dict)
+
+    def _take_resume(self) -> LoaderState | None:
+        resume, self._pending_resume = self._pending_resume, None
+        return resume
+
     def __iter__(self) -> Any:
-        host = super().__iter__()
+        iterator = self._wrap(super().__iter__())
+        self._live_iterator = weakref.ref(iterator)
+        return iterator
+
+    def _wrap(self, host: Any) -> Any:
         if self.device is None:
             return host
         if self.gpu_transform is not None and hasattr(self.gpu_transform, "seed"):

@@ -40,9 +40,13 @@ class WorkerDone:
 
 @dataclass(frozen=True)
 class Resume:
-    """Start a new epoch on a persistent worker; echoed back as the acknowledgement."""
+    """Start a new epoch on a persistent worker; echoed back as the acknowledgement.
+
+    ``dataset_state`` (from a loader snapshot) is loaded into the IterableDataset replica first.
+    """
 
     epoch: int
+    dataset_state: Any = None
 
 
 @dataclass(frozen=True)
@@ -58,8 +62,15 @@ class WorkerConfig:
     worker_init_fn: Callable[[int], None] | None
     worker_id: int
     num_workers: int
+    dataset_state: Any = None  # resume this IterableDataset replica from a snapshot
 
-    def fetcher(self) -> Fetcher:
+    @property
+    def tracks_state(self) -> bool:
+        return self.iterable and hasattr(self.dataset, "state_dict")
+
+    def fetcher(self, dataset_state: Any = None) -> Fetcher:
+        if dataset_state is not None:
+            self.dataset.load_state_dict(dataset_state)
         return make_fetcher(self.dataset, self.iterable, self.auto_collation, self.drop_last)
 
 
@@ -73,11 +84,12 @@ def _seed(config: WorkerConfig) -> int:
 
 def _produce(config: WorkerConfig, fetcher: Fetcher, index: Any, arena: Arena) -> Encoded:
     samples = fetcher.fetch(index)
+    dataset_state = config.dataset.state_dict() if config.tracks_state else None
     if config.collate_fn is default_collate:
         batch = collate_into(samples, arena)
     else:
         batch = config.collate_fn(samples)
-    return encode(batch, arena)
+    return encode(batch, arena, dataset_state)
 
 
 def worker_loop(
@@ -98,7 +110,7 @@ def worker_loop(
         try:
             if config.worker_init_fn is not None:
                 config.worker_init_fn(config.worker_id)
-            fetcher = config.fetcher()
+            fetcher = config.fetcher(config.dataset_state)
         except Exception:
             init_error = ExceptionWrapper(where=where)
 
@@ -115,7 +127,10 @@ def worker_loop(
             if isinstance(task, Resume):
                 iteration_end = False
                 if init_error is None:
-                    fetcher = config.fetcher()
+                    try:
+                        fetcher = config.fetcher(task.dataset_state)
+                    except Exception:
+                        init_error = ExceptionWrapper(where=where)
                 result_queue.put((task, None))
                 continue
             if done_event.is_set() or iteration_end:

@@ -205,3 +205,30 @@ def failing_worker_init(worker_id: int) -> None:
 
 def failing_collate(samples):
     raise TypeError("collate refuses")
+
+
+class StatefulIterable(IterableDataset):
+    """Sharded counter that can report and restore its position."""
+
+    def __init__(self, n: int = 41):
+        self.n = n
+        self.position = 0
+
+    def _my_items(self):
+        info = get_worker_info()
+        wid, workers = (0, 1) if info is None else (info.id, info.num_workers)
+        return list(range(wid, self.n + wid * 3, workers))  # uneven replicas
+
+    def __iter__(self):
+        items = self._my_items()
+        while self.position < len(items):
+            value = items[self.position]
+            self.position += 1
+            yield torch.tensor([value, value * value])
+        self.position = 0  # the next epoch starts over
+
+    def state_dict(self):
+        return {"position": self.position}
+
+    def load_state_dict(self, state):
+        self.position = state["position"]

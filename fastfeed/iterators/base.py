@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fastfeed._torch_compat import is_iterable_dataset, pin_memory
+from fastfeed.resume import EpochStart, LoaderState
 
 if TYPE_CHECKING:
     from fastfeed.loader import FastLoader
@@ -50,19 +51,74 @@ class BaseIterator:
         # fastfeed pins for CUDA only; other accelerators get pageable batches.
         self._pin_memory = loader.pin_memory and torch.cuda.is_available()
 
+        self._generator = loader.generator
+        resume = loader._take_resume()
+        if resume is not None:
+            resume.epoch_start.restore(loader.generator)
+        self._epoch_start = EpochStart.capture(loader.generator)
         self._sampler_iter = iter(self._index_sampler)
         self._base_seed = int(
             torch.empty((), dtype=torch.int64).random_(generator=loader.generator).item()
         )
         self._num_yielded = 0
+        self._skip_by_reading = 0
+        self._exhausted = False
+        self._resume = resume  # applied by the first _reset
+        # IterableDataset.state_dict() after the last delivered batch, per replica.
+        self._dataset_states: list[Any] = [None] * max(1, self._num_workers)
 
     def __iter__(self) -> BaseIterator:
         return self
 
     def _reset(self, loader: FastLoader, first_iter: bool = False) -> None:
+        if first_iter:
+            resume, self._resume = self._resume, None
+        else:
+            resume = loader._take_resume()
+            if resume is not None:
+                resume.epoch_start.restore(loader.generator)
+            self._epoch_start = EpochStart.capture(loader.generator)
         self._sampler_iter = iter(self._index_sampler)
         self._num_yielded = 0
+        self._skip_by_reading = 0
+        self._exhausted = False
         self._len_called = loader._IterableDataset_len_called
+        self._epoch_resume = resume
+        if resume is not None:
+            self._fast_forward(resume)
+
+    def _fast_forward(self, resume: LoaderState) -> None:
+        """Skip the batches a snapshot says were already delivered."""
+        if not self._iterable:
+            for skipped in range(resume.batches_yielded):
+                try:
+                    next(self._sampler_iter)  # indices only: nothing is loaded
+                except StopIteration:
+                    raise ValueError(
+                        f"the loader state says {resume.batches_yielded} batches were "
+                        f"delivered, but this epoch has only {skipped}"
+                    ) from None
+            self._num_yielded = resume.batches_yielded
+        elif resume.dataset_states is not None:
+            self._dataset_states = list(resume.dataset_states)
+            self._num_yielded = resume.batches_yielded
+        else:
+            self._skip_by_reading = resume.batches_yielded  # no dataset state: re-read
+
+    def state_dict(self) -> LoaderState:
+        """A snapshot from which a new loader resumes at the next batch of this epoch."""
+        if self._exhausted:
+            return LoaderState(epoch_start=EpochStart.capture(self._generator))
+        has_states = any(state is not None for state in self._dataset_states)
+        return LoaderState(
+            batches_yielded=self._num_yielded,
+            epoch_start=self._epoch_start,
+            dataset_states=list(self._dataset_states) if has_states else None,
+            **self._round_robin_position(),
+        )
+
+    def _round_robin_position(self) -> dict[str, Any]:
+        return {}
 
     def _next_index(self) -> Any:
         return next(self._sampler_iter)  # StopIteration ends the epoch
@@ -74,7 +130,15 @@ class BaseIterator:
         return pin_memory(batch, "cuda") if self._pin_memory else batch
 
     def __next__(self) -> Any:
-        data = self._next_data()
+        try:
+            while self._skip_by_reading:
+                self._next_data()
+                self._skip_by_reading -= 1
+                self._num_yielded += 1
+            data = self._next_data()
+        except StopIteration:
+            self._exhausted = True
+            raise
         self._num_yielded += 1
         if self._iterable and self._len_called is not None and self._num_yielded > self._len_called:
             message = (

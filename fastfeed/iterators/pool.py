@@ -24,6 +24,7 @@ from torch._utils import ExceptionWrapper
 
 from fastfeed.codec import Encoded, decode
 from fastfeed.iterators.base import BaseIterator
+from fastfeed.resume import LoaderState
 from fastfeed.ring import SlotRing, WorkerSlots, ring_supported
 from fastfeed.worker import Resume, WorkerConfig, WorkerDone, worker_loop
 
@@ -56,6 +57,7 @@ class _Task:
     slot_id: int | None
     result: Any = field(default=None)
     done: bool = False
+    dataset_state: Any = None
 
 
 def _describe_exit(exitcode: int) -> str:
@@ -121,6 +123,7 @@ class WorkerPoolIterator(BaseIterator):
             worker_init_fn=loader.worker_init_fn,
             worker_id=worker_id,
             num_workers=self._num_workers,
+            dataset_state=self._resume_dataset_state(self._resume, worker_id),
         )
         index_queue = ctx.Queue()
         index_queue.cancel_join_thread()
@@ -137,13 +140,25 @@ class WorkerPoolIterator(BaseIterator):
         worker_control.close()
 
     # -- epochs ------------------------------------------------------------------------------
+    def _resume_dataset_state(self, resume: LoaderState | None, worker_id: int) -> Any:
+        if resume is None or resume.dataset_states is None:
+            return None
+        if len(resume.dataset_states) != self._num_workers:
+            raise ValueError(
+                f"the loader state holds {len(resume.dataset_states)} IterableDataset replica "
+                f"states but this loader has {self._num_workers} workers; resume with the "
+                "same num_workers"
+            )
+        return resume.dataset_states[worker_id]
+
     def _reset(self, loader: FastLoader, first_iter: bool = False) -> None:
         super()._reset(loader, first_iter)
+        resume = self._epoch_resume
         if not first_iter:
             self._epoch += 1
             self._workers_status = [True] * self._num_workers  # every worker must acknowledge
-            for index_queue in self._index_queues:
-                index_queue.put(Resume(self._epoch))
+            for worker_id, index_queue in enumerate(self._index_queues):
+                index_queue.put(Resume(self._epoch, self._resume_dataset_state(resume, worker_id)))
             # Results of the abandoned epoch arrive before each worker's acknowledgement.
             acknowledged = 0
             while acknowledged < self._num_workers:
@@ -162,6 +177,13 @@ class WorkerPoolIterator(BaseIterator):
         self._workers_status = [True] * self._num_workers
         self._workers_num_tasks = [0] * self._num_workers
         self._worker_cycle = itertools.cycle(range(self._num_workers))
+        self._done_at: dict[int, int] = {}  # worker id -> task index its replica ended at
+        if resume is not None and resume.dataset_states is not None:
+            # Continue the round robin where the snapshot left it.
+            for _ in range(resume.next_worker):
+                next(self._worker_cycle)
+            done = resume.workers_done or [False] * self._num_workers
+            self._workers_status = [not d for d in done]
         for _ in range(self._max_tasks):
             self._try_put_index()
 
@@ -266,6 +288,7 @@ class WorkerPoolIterator(BaseIterator):
             arrived = self._tasks[idx]
             if isinstance(result, WorkerDone):
                 self._release(arrived.slot_id)
+                self._done_at[result.worker_id] = idx
                 if self._persistent_workers:
                     self._workers_status[result.worker_id] = False
                 else:
@@ -284,6 +307,7 @@ class WorkerPoolIterator(BaseIterator):
         # may exit (an exhausted IterableDataset replica) before this batch's turn comes.
         task.done = True
         if isinstance(result, Encoded):
+            task.dataset_state = result.dataset_state
             if self._ring is not None:
                 self._ring.note_required(result.required)
             try:
@@ -303,7 +327,20 @@ class WorkerPoolIterator(BaseIterator):
         self._try_put_index()
         if isinstance(task.result, ExceptionWrapper):
             task.result.reraise()
+        if task.dataset_state is not None:
+            self._dataset_states[task.worker_id] = task.dataset_state
         return self._pin(task.result)
+
+    def _round_robin_position(self) -> dict[str, Any]:
+        if not self._iterable:
+            return {}
+        pending = [idx for idx in self._tasks if idx >= self._rcvd_idx]
+        upcoming = min(pending, default=self._send_idx)
+        return {
+            "next_worker": self._tasks[upcoming].worker_id if pending else 0,
+            "workers_done": [self._done_at.get(w, upcoming) < upcoming
+                             for w in range(self._num_workers)],
+        }
 
     # -- shutdown ----------------------------------------------------------------------------
     def _retire_worker(self, worker_id: int) -> None:

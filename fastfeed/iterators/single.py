@@ -22,6 +22,13 @@ class SingleProcessIterator(BaseIterator):
             # torch's single-process iterator refuses a timeout with the same exception type.
             raise AssertionError("timeout requires num_workers > 0 (got timeout="
                                  f"{self._timeout} with num_workers=0)")
+        self._reset(loader, first_iter=True)
+
+    def _reset(self, loader: FastLoader, first_iter: bool = False) -> None:
+        super()._reset(loader, first_iter)
+        self._tracks_state = self._iterable and hasattr(self._dataset, "state_dict")
+        if self._tracks_state and self._dataset_states[0] is not None:
+            self._dataset.load_state_dict(self._dataset_states[0])
         self._fetcher = make_fetcher(
             self._dataset, self._iterable, self._auto_collation, self._drop_last
         )
@@ -29,4 +36,6 @@ class SingleProcessIterator(BaseIterator):
     def _next_data(self) -> Any:
         index = self._next_index()
         samples = self._fetcher.fetch(index)
+        if self._tracks_state:
+            self._dataset_states[0] = self._dataset.state_dict()
         return self._pin(self._collate_fn(samples))

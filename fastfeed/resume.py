@@ -1,0 +1,81 @@
+"""Resumable loading: what a mid-epoch snapshot holds, and how an epoch restarts from one.
+
+An epoch is reproducible from the random state at its start plus the number of batches
+already delivered: restoring the state makes the sampler draw the same permutation and the
+iterator the same worker base seed, and the delivered index batches are then skipped without
+loading them. IterableDatasets cannot skip by index; they resume from their own
+``state_dict()`` (one per worker replica), or, lacking one, by reading and discarding the
+delivered batches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["EpochStart", "LoaderState"]
+
+STATE_VERSION = 1
+
+
+@dataclass
+class EpochStart:
+    """The random state an epoch starts from: the loader's generator, or torch's global RNG."""
+
+    generator_state: torch.Tensor | None = None
+    global_rng_state: torch.Tensor | None = None
+
+    @classmethod
+    def capture(cls, generator: torch.Generator | None) -> EpochStart:
+        if generator is not None:
+            return cls(generator_state=generator.get_state())
+        return cls(global_rng_state=torch.get_rng_state())
+
+    def restore(self, generator: torch.Generator | None) -> None:
+        if generator is not None and self.generator_state is not None:
+            generator.set_state(self.generator_state)
+        elif generator is None and self.global_rng_state is not None:
+            torch.set_rng_state(self.global_rng_state)
+        else:
+            raise ValueError(
+                "this state was saved from a loader "
+                + ("with" if self.generator_state is not None else "without")
+                + " a generator; load it into a loader built the same way"
+            )
+
+
+@dataclass
+class LoaderState:
+    """A FastLoader snapshot: small, picklable, and (for map-style data) worker-count free.
+
+    Attributes:
+        batches_yielded: batches of the current epoch already delivered.
+        epoch_start: the random state the current epoch started from.
+        dataset_states: IterableDataset ``state_dict()`` after the last delivered batch, one
+            per worker replica (one for ``num_workers=0``); None when the dataset has none.
+        next_worker: the replica whose batch comes next (round-robin position).
+        workers_done: replicas already exhausted before the next batch.
+    """
+
+    batches_yielded: int = 0
+    epoch_start: EpochStart = field(default_factory=EpochStart)
+    dataset_states: list[Any] | None = None
+    next_worker: int = 0
+    workers_done: list[bool] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"version": STATE_VERSION, **asdict(self)}
+
+    @classmethod
+    def from_dict(cls, state: dict[str, Any]) -> LoaderState:
+        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+            raise ValueError(
+                f"not a fastfeed loader state (version {STATE_VERSION}): "
+                f"got {type(state).__name__} with version "
+                f"{state.get('version') if isinstance(state, dict) else None!r}"
+            )
+        fields = {k: v for k, v in state.items() if k != "version"}
+        fields["epoch_start"] = EpochStart(**fields.get("epoch_start", {}))
+        return cls(**fields)

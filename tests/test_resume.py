@@ -1,0 +1,126 @@
+"""Resume mid-epoch: the rest of the epoch and later epochs equal an uninterrupted run."""
+
+import pickle
+
+import pytest
+import torch
+from datasets import ShardedIterable, StatefulIterable, TensorDataset
+from helpers import assert_same
+
+from fastfeed import FastLoader
+
+
+def uninterrupted(build, epochs):
+    loader = build()
+    return [list(loader) for _ in range(epochs)]
+
+
+def interrupted(build, stop_after, epochs, rebuild=None):
+    """Run ``stop_after`` batches, snapshot (through pickle), resume in a new loader."""
+    first = build()
+    head, iterator = [], iter(first)
+    for _ in range(stop_after):
+        head.append(next(iterator))
+    state = pickle.loads(pickle.dumps(first.state_dict()))
+    del iterator, first
+    resumed = (rebuild or build)()
+    resumed.load_state_dict(state)
+    return [head + list(resumed)] + [list(resumed) for _ in range(epochs - 1)]
+
+
+def map_loader(num_workers=2, persistent=False, device=None, seed=7):
+    def build():
+        return FastLoader(TensorDataset(n=45), batch_size=4, shuffle=True,
+                          num_workers=num_workers, persistent_workers=persistent,
+                          generator=torch.Generator().manual_seed(seed), device=device)
+    return build
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("stop_after", [0, 1, 5, 11])
+def test_map_style_resume_is_exact(num_workers, persistent, stop_after):
+    if persistent and num_workers == 0:
+        pytest.skip("persistent_workers needs workers")
+    build = map_loader(num_workers, persistent)
+    assert_same(uninterrupted(build, 3), interrupted(build, stop_after, 3))
+
+
+def test_resume_with_a_different_worker_count():
+    assert_same(uninterrupted(map_loader(2), 2),
+                interrupted(map_loader(2), 4, 2, rebuild=map_loader(0)))
+
+
+def test_resume_on_the_device_path_counts_only_delivered_batches():
+    build = map_loader(2, device="cpu")
+    assert_same(uninterrupted(build, 2), interrupted(build, 3, 2))
+
+
+def test_resume_without_generator_uses_the_global_rng():
+    def build():
+        return FastLoader(TensorDataset(n=30), batch_size=4, shuffle=True, num_workers=2)
+
+    torch.manual_seed(3)
+    expected = uninterrupted(build, 2)
+    torch.manual_seed(3)
+    got = interrupted(build, 2, 2)
+    assert_same(expected, got)
+
+
+@pytest.mark.parametrize("num_workers", [0, 1, 2, 3])
+@pytest.mark.parametrize("stop_after", [1, 4, 9])
+def test_iterable_dataset_with_state_resumes_exactly(num_workers, stop_after):
+    def build():
+        return FastLoader(StatefulIterable(), batch_size=3, num_workers=num_workers)
+
+    assert_same(uninterrupted(build, 2), interrupted(build, stop_after, 2))
+
+
+def test_iterable_dataset_without_state_resumes_by_rereading():
+    def build():
+        return FastLoader(ShardedIterable(), batch_size=3, num_workers=2)
+
+    torch.manual_seed(0)
+    expected = uninterrupted(build, 1)
+    torch.manual_seed(0)
+    assert_same(expected, interrupted(build, 3, 1))
+
+
+def test_state_is_small_and_at_epoch_end_starts_the_next_epoch():
+    loader = map_loader(2)()
+    list(loader)
+    state = loader.state_dict()
+    assert state["batches_yielded"] == 0
+    assert len(pickle.dumps(state)) < 16_384
+    fresh = map_loader(2)()
+    list(fresh)
+    resumed = map_loader(2)()
+    resumed.load_state_dict(state)
+    assert_same(list(fresh), list(resumed))
+
+
+def test_bad_states_are_refused():
+    loader = map_loader(2)()
+    with pytest.raises(ValueError, match="not a fastfeed loader state"):
+        loader.load_state_dict({"batches_yielded": 3})
+    state = map_loader(2)().state_dict()
+    state["batches_yielded"] = 1000
+    loader.load_state_dict(state)
+    with pytest.raises(ValueError, match="this epoch has only 12"):
+        iter(loader)
+    no_generator = FastLoader(TensorDataset(), batch_size=4)
+    no_generator.load_state_dict(map_loader(0)().state_dict())
+    with pytest.raises(ValueError, match="with a generator"):
+        iter(no_generator)
+
+
+def test_replica_count_must_match_for_iterable_state():
+    first = FastLoader(StatefulIterable(), batch_size=3, num_workers=2)
+    iterator = iter(first)
+    next(iterator), next(iterator)
+    state = first.state_dict()
+    del iterator
+    other = FastLoader(StatefulIterable(), batch_size=3, num_workers=3)
+    other.load_state_dict(state)
+    with pytest.raises(ValueError, match="same num_workers"):
+        iter(other)
