@@ -28,8 +28,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from fastfeed import FastLoader  # noqa: E402
-from fastfeed.progress import progress  # noqa: E402
+from fastfeed import FastLoader
+from fastfeed.progress import progress
 
 DTYPES = {"uint8": torch.uint8, "float32": torch.float32}
 LOADERS = {"stock": DataLoader, "fastfeed": FastLoader}

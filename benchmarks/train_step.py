@@ -32,9 +32,9 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from fastfeed import FastLoader  # noqa: E402
-from fastfeed import transforms as T  # noqa: E402
-from fastfeed.progress import progress  # noqa: E402
+from fastfeed import FastLoader
+from fastfeed import transforms as T
+from fastfeed.progress import progress
 
 
 class UInt8Images(Dataset):
