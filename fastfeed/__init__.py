@@ -6,7 +6,9 @@ Change one import::
 """
 
 from fastfeed.loader import FastLoader
+from fastfeed.telemetry import LoaderStats
+from fastfeed.worker import worker_info
 
 __version__ = "0.1.0"
 
-__all__ = ["FastLoader", "__version__"]
+__all__ = ["FastLoader", "LoaderStats", "__version__", "worker_info"]

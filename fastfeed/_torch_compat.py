@@ -27,6 +27,7 @@ __all__ = [
     "numpy_seed",
     "pin_memory",
     "set_worker_info",
+    "thread_worker_info",
 ]
 
 default_collate = _collate.default_collate
@@ -55,6 +56,23 @@ def set_worker_info(worker_id: int, num_workers: int, seed: int, dataset: Datase
     _worker._worker_info = _worker.WorkerInfo(
         id=worker_id, num_workers=num_workers, seed=seed, dataset=dataset
     )
+
+
+def thread_worker_info(worker_id: int, num_workers: int, seed: int, dataset: Dataset) -> Any:
+    """A WorkerInfo for a thread worker, with per-thread generators where torch supports them."""
+    fields = set(getattr(_worker.WorkerInfo, "__dataclass_fields__", ()))
+    extra: dict[str, Any] = {}
+    if "rng" in fields and hasattr(_worker, "_RNG"):
+        import random
+
+        import numpy as np
+
+        extra["rng"] = _worker._RNG(random.Random(seed), torch.Generator().manual_seed(seed),
+                                    np.random.default_rng(seed))
+    if "worker_method" in fields:
+        extra["worker_method"] = "thread"
+    return _worker.WorkerInfo(id=worker_id, num_workers=num_workers, seed=seed, dataset=dataset,
+                              **extra)
 
 
 def is_iterable_dataset(dataset: Any) -> bool:

@@ -26,13 +26,11 @@ __all__ = ["Encoded", "decode", "encode"]
 
 @dataclass(frozen=True)
 class Encoded:
-    """A batch as it crosses from a worker: its slot, the pickled structure, its byte need,
-    and the worker's IterableDataset ``state_dict()`` right after fetching it (if it has one)."""
+    """A batch as it crosses from a worker: its slot, the pickled structure, its byte need."""
 
     slot_id: int | None
     payload: bytes
     required: int
-    dataset_state: Any = None
 
 
 def _slot_eligible_tensor(obj: Any) -> bool:
@@ -98,11 +96,11 @@ class _SlotPickler(ForkingPickler):
         return ("array", offset, array.shape, array.dtype.str)
 
 
-def encode(batch: Any, arena: Arena, dataset_state: Any = None) -> Encoded:
+def encode(batch: Any, arena: Arena) -> Encoded:
     """Worker side: write ``batch``'s arrays into ``arena`` and pickle the rest."""
     file = io.BytesIO()
     _SlotPickler(file, arena).dump(batch)
-    return Encoded(arena.slot_id, file.getvalue(), arena.required, dataset_state)
+    return Encoded(arena.slot_id, file.getvalue(), arena.required)
 
 
 class _SlotUnpickler(pickle.Unpickler):

@@ -13,12 +13,14 @@ On ``device="cpu"`` the same code path runs without streams or events.
 from __future__ import annotations
 
 import os
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
+from fastfeed.telemetry import Telemetry, batch_length
 from fastfeed.tree import map_tensors
 
 __all__ = ["DeviceIterator", "resolve_device"]
@@ -66,8 +68,10 @@ class DeviceIterator:
         depth: int,
         transform: Callable[[Any], Any] | None,
         stream: Any = None,
+        telemetry: Telemetry | None = None,
     ) -> None:
         self._host = host
+        self._telemetry = telemetry or Telemetry()
         self._device = device
         self._depth = depth
         self._transform = transform
@@ -96,17 +100,23 @@ class DeviceIterator:
 
     def _stage(self, host_batch: Any) -> tuple[Any, Any, Any]:
         if self._stream is None:
-            batch = map_tensors(self._move, host_batch)
-            if self._transform is not None:
-                batch = self._transform(batch)
-            return batch, None, None
+            return self._copy_and_transform(host_batch), None, None
         with torch.cuda.stream(self._stream):
-            batch = map_tensors(self._move, host_batch)
-            if self._transform is not None:
-                batch = self._transform(batch)
+            batch = self._copy_and_transform(host_batch)
             event = torch.cuda.Event()
             event.record(self._stream)
         return batch, event, host_batch
+
+    def _copy_and_transform(self, host_batch: Any) -> Any:
+        # On CUDA these are the host-side times to enqueue the work, not the GPU's.
+        start = time.perf_counter()
+        batch = map_tensors(self._move, host_batch)
+        copied = time.perf_counter()
+        self._telemetry.add_stage("transfer", copied - start)
+        if self._transform is not None:
+            batch = self._transform(batch)
+            self._telemetry.add_stage("gpu_transform", time.perf_counter() - copied)
+        return batch
 
     def _fill(self) -> None:
         while not self._exhausted and len(self._ready) < self._depth:
@@ -123,6 +133,7 @@ class DeviceIterator:
             self._in_flight.popleft()
 
     def __next__(self) -> Any:
+        requested = time.perf_counter()
         self._release_copied()
         self._fill()
         if not self._ready:
@@ -140,5 +151,6 @@ class DeviceIterator:
 
             map_tensors(mark, batch)
             self._in_flight.append((event, host_batch))
+        self._telemetry.delivered(requested, batch_length(batch, auto_collation=True))
         self._fill()  # queue the next copies now, so that they overlap the consumer's step
         return batch

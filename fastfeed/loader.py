@@ -9,10 +9,12 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from fastfeed._torch_compat import is_datapipe
+from fastfeed._torch_compat import is_datapipe, is_iterable_dataset
+from fastfeed.autotune import WorkerTuner, initial_workers
 from fastfeed.device import DeviceIterator, resolve_device
 from fastfeed.iterators import SingleProcessIterator, WorkerPoolIterator
 from fastfeed.resume import EpochStart, LoaderState
+from fastfeed.telemetry import GpuSampler, LoaderStats, Telemetry
 
 __all__ = ["FastLoader"]
 
@@ -57,6 +59,21 @@ class FastLoader(DataLoader):
             stream, right after the copy: for example
             ``fastfeed.transforms.Normalize(key=0, dtype=torch.float16)``. Transforms with a
             ``seed`` method are seeded from the iterator's base seed. Requires ``device``.
+        num_workers (int or "auto"): as in torch, or ``"auto"``: start from a guess based on
+            the CPU affinity mask and memory, then add workers while the consumer waits and a
+            core is free, and retire them while it never waits (map-style datasets; an
+            IterableDataset keeps the starting count). Decisions are logged at DEBUG and
+            listed in :meth:`stats`. Batch order is unchanged; which worker reads a sample
+            does change, so per-worker random streams do too: use ``deterministic=True``.
+        worker_mode (str): ``"process"`` (default), ``"thread"`` (no IPC or pickling: wins
+            when ``__getitem__`` releases the GIL, as PIL decode and numpy do; map-style only;
+            threads share the global RNGs and :func:`fastfeed.worker_info` describes them) or
+            ``"auto"`` (one epoch of each, then the faster).
+        deterministic (bool): reseed ``torch``, ``random`` and ``numpy`` before every sample
+            from ``(base seed, epoch, index)``, so that a sample's augmentation does not depend
+            on which worker reads it: reproducible under auto-tuning and across resumes.
+        log_every (int, optional): log (or print, if logging is not configured) a one-line
+            :meth:`stats` summary every ``log_every`` batches.
 
     Example:
         >>> from fastfeed import FastLoader as DataLoader
@@ -72,7 +89,7 @@ class FastLoader(DataLoader):
         shuffle: bool | None = None,
         sampler: Sampler | Iterable | None = None,
         batch_sampler: Sampler[list] | Iterable[list] | None = None,
-        num_workers: int = 0,
+        num_workers: int | str = 0,
         collate_fn: Callable[[list], Any] | None = None,
         pin_memory: bool = False,
         drop_last: bool = False,
@@ -89,7 +106,28 @@ class FastLoader(DataLoader):
         device: str | int | torch.device | None = None,
         prefetch_depth: int = 2,
         gpu_transform: Callable[[Any], Any] | None = None,
+        worker_mode: str = "process",
+        deterministic: bool = False,
+        log_every: int | None = None,
     ) -> None:
+        self.autotune = num_workers == "auto"
+        if self.autotune:
+            num_workers, self._max_workers = initial_workers()
+        elif isinstance(num_workers, str):
+            raise ValueError(
+                f"num_workers should be a non-negative int or 'auto', got {num_workers!r}")
+        if worker_mode not in ("process", "thread", "auto"):
+            raise ValueError(
+                f"worker_mode should be 'process', 'thread' or 'auto', got {worker_mode!r}")
+        iterable = is_iterable_dataset(dataset)
+        if worker_mode == "thread" and iterable:
+            raise ValueError("worker_mode='thread' needs a map-style dataset: IterableDataset "
+                             "replicas shard by get_worker_info(), which threads cannot give")
+        if worker_mode == "thread" and deterministic:
+            raise ValueError("deterministic=True reseeds the global RNGs per sample, which "
+                             "threads share: use worker_mode='process'")
+        if log_every is not None and not _is_int(log_every, minimum=1):
+            raise ValueError(f"log_every should be None or a positive int, got {log_every!r}")
         if ring_slots is not None and not _is_int(ring_slots, minimum=0):
             raise ValueError(f"ring_slots should be None or a non-negative int, got {ring_slots!r}")
         if not _is_int(prefetch_depth, minimum=1):
@@ -102,6 +140,12 @@ class FastLoader(DataLoader):
         self.device = None if device is None else resolve_device(device)
         self.prefetch_depth = prefetch_depth
         self.gpu_transform = gpu_transform
+        self.worker_mode = worker_mode
+        self.deterministic = deterministic
+        self.log_every = log_every
+        self._telemetry = Telemetry(log_every, describe=lambda: self.stats().summary())
+        self._gpu_sampler: GpuSampler | None = None
+        self._mode_rates: dict[str, float] = {}  # batches/s per worker mode, for "auto"
         self._copy_stream: Any = None  # one per loader, created on first use
         self._pending_resume: LoaderState | None = None
         self._live_iterator: Callable[[], Any] = lambda: None
@@ -126,6 +170,70 @@ class FastLoader(DataLoader):
             pin_memory_device=pin_memory_device,
             in_order=in_order,
         )
+
+    def stats(self, reset: bool = False) -> LoaderStats:
+        """Where the time went since the loader was created (or last reset).
+
+        Args:
+            reset (bool): start counting afresh after this snapshot.
+        """
+        t = self._telemetry
+        elapsed = t.elapsed
+        used, allocated = t.ring.occupancy if t.ring is not None else (0, 0)
+        if self._gpu_sampler is None:
+            self._gpu_sampler = GpuSampler()
+        workers = self.num_workers
+        snapshot = LoaderStats(
+            batches=t.batches,
+            samples=t.samples,
+            elapsed_s=elapsed,
+            wait_fraction=min(1.0, t.waited / elapsed) if elapsed > 0 else 0.0,
+            stage_ms={stage: 1000 * t.stage_s[stage] / t.stage_batches[stage]
+                      if t.stage_batches[stage] else 0.0 for stage in t.stage_s},
+            workers=workers,
+            worker_mode=t.worker_mode if workers else "main process",
+            worker_utilization=min(1.0, t.worker_busy_s / (elapsed * workers))
+            if elapsed > 0 and workers else 0.0,
+            ring_slots_used=used,
+            ring_slots=allocated,
+            ring_mb=(t.ring.nbytes / 2**20) if t.ring is not None else 0.0,
+            skipped_samples=t.skipped,
+            gpu=self._gpu_sampler.average(),
+            gpu_status=self._gpu_sampler.status,
+            decisions=list(t.decisions),
+        )
+        if reset:
+            t.reset()
+        return snapshot
+
+    def _make_tuner(self, workers: int) -> WorkerTuner | None:
+        """The worker tuner for a new iterator, if ``num_workers="auto"`` can move."""
+        if not self.autotune or is_iterable_dataset(self.dataset):
+            return None  # replicas of an IterableDataset shard by worker count: keep it fixed
+        return WorkerTuner(workers, self._max_workers)
+
+    @property
+    def _active_worker_mode(self) -> str:
+        """The mode for the next iterator; ``"auto"`` tries each for an epoch, then keeps the
+        faster one."""
+        if self.worker_mode != "auto":
+            return self.worker_mode
+        if is_iterable_dataset(self.dataset) or self.deterministic or self.persistent_workers:
+            return "process"
+        for mode in ("process", "thread"):
+            if mode not in self._mode_rates:
+                return mode
+        return max(self._mode_rates, key=lambda mode: self._mode_rates[mode])
+
+    def _record_epoch_rate(self, mode: str, batches_per_s: float) -> None:
+        if self.worker_mode == "auto" and mode not in self._mode_rates:
+            self._mode_rates[mode] = batches_per_s
+            if len(self._mode_rates) == 2:
+                chosen = max(self._mode_rates, key=lambda m: self._mode_rates[m])
+                self._telemetry.decision(
+                    "worker_mode auto: " + ", ".join(
+                        f"{m} {r:,.1f} batches/s" for m, r in self._mode_rates.items())
+                    + f" -> {chosen}")
 
     @property
     def _pins_ring(self) -> bool:
@@ -174,15 +282,21 @@ class FastLoader(DataLoader):
         return iterator
 
     def _wrap(self, host: Any) -> Any:
+        if self._pins_ring and self._gpu_sampler is None:
+            self._gpu_sampler = GpuSampler()
+            self._gpu_sampler.start()
+            weakref.finalize(self, self._gpu_sampler.stop)
         if self.device is None:
             return host
+        host.records_delivery = False  # the device iterator measures the consumer's wait
         if self.gpu_transform is not None and hasattr(self.gpu_transform, "seed"):
             # Seeded from the base seed the iterator already drew: no extra generator draws.
             self.gpu_transform.seed(host._base_seed)
         if self.device.type == "cuda" and self._copy_stream is None:
             self._copy_stream = torch.cuda.Stream(self.device)
         stream = self._copy_stream if self.device.type == "cuda" else None
-        return DeviceIterator(host, self.device, self.prefetch_depth, self.gpu_transform, stream)
+        return DeviceIterator(host, self.device, self.prefetch_depth, self.gpu_transform, stream,
+                              self._telemetry)
 
     def _get_iterator(self) -> Any:
         if is_datapipe(self.dataset):

@@ -1,8 +1,10 @@
-"""The worker process: fetch samples, collate them into a ring slot, send a small message.
+"""The worker: fetch samples, collate them (into a ring slot), hand the batch over.
 
-Seeding, ``get_worker_info()``, ``worker_init_fn``, IterableDataset exhaustion and
-persistent-worker resumes follow torch's worker loop, so a dataset cannot tell the
-difference; only where the batch is written differs.
+In a process, seeding, ``get_worker_info()``, ``worker_init_fn``, IterableDataset exhaustion
+and persistent-worker resumes follow torch's worker loop, so a dataset cannot tell the
+difference; only where the batch is written differs. In a thread (``worker_mode="thread"``)
+the batch is handed over as it is; threads share the process's global RNGs, so they are not
+seeded, and :func:`fastfeed.worker_info` (not torch's ``get_worker_info``) describes them.
 """
 
 from __future__ import annotations
@@ -10,6 +12,9 @@ from __future__ import annotations
 import os
 import queue
 import random
+import threading
+import time
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -18,17 +23,34 @@ from typing import Any
 import numpy as np
 import torch
 from torch._utils import ExceptionWrapper
+from torch.utils.data import get_worker_info
 
-from fastfeed._torch_compat import default_collate, numpy_seed, set_worker_info
-from fastfeed.codec import Encoded, encode
+from fastfeed._torch_compat import (
+    default_collate,
+    numpy_seed,
+    set_worker_info,
+    thread_worker_info,
+)
+from fastfeed.codec import encode
 from fastfeed.collate import collate_into
 from fastfeed.fetch import Fetcher, make_fetcher
 from fastfeed.ring import Arena, WorkerSlots
 
-__all__ = ["Resume", "WorkerConfig", "WorkerDone", "worker_loop"]
+__all__ = ["Produced", "Resume", "WorkerConfig", "WorkerDone", "worker_info", "worker_loop"]
 
 # How often an idle worker checks that the main process is still alive.
 WATCHDOG_INTERVAL = 1.0
+
+_thread_local = threading.local()
+
+
+def worker_info() -> Any:
+    """Describe the current worker, process or thread; ``None`` outside workers.
+
+    Like :func:`torch.utils.data.get_worker_info`, but also right in thread workers, where it
+    carries per-thread generators in ``rng`` and ``worker_method="thread"``.
+    """
+    return getattr(_thread_local, "info", None) or get_worker_info()
 
 
 @dataclass(frozen=True)
@@ -50,6 +72,17 @@ class Resume:
 
 
 @dataclass(frozen=True)
+class Produced:
+    """A batch from a worker: ``Encoded`` from a process, the batch itself from a thread,
+    with the worker's timings and its IterableDataset ``state_dict()`` after the fetch."""
+
+    batch: Any
+    fetch_s: float
+    collate_s: float
+    dataset_state: Any = None
+
+
+@dataclass(frozen=True)
 class WorkerConfig:
     """Everything a worker needs, picklable for spawn and forkserver."""
 
@@ -63,33 +96,63 @@ class WorkerConfig:
     worker_id: int
     num_workers: int
     dataset_state: Any = None  # resume this IterableDataset replica from a snapshot
+    thread: bool = False
+    deterministic: bool = False
 
     @property
     def tracks_state(self) -> bool:
         return self.iterable and hasattr(self.dataset, "state_dict")
 
-    def fetcher(self, dataset_state: Any = None) -> Fetcher:
+    def fetcher(self, dataset_state: Any = None, epoch: int = 0) -> Fetcher:
         if dataset_state is not None:
             self.dataset.load_state_dict(dataset_state)
-        return make_fetcher(self.dataset, self.iterable, self.auto_collation, self.drop_last)
+        reseed = None
+        if self.deterministic:
+            def reseed(index: Any) -> None:
+                _seed_all(_sample_seed(self.base_seed, epoch, index))
+        return make_fetcher(self.dataset, self.iterable, self.auto_collation, self.drop_last,
+                            reseed)
 
 
-def _seed(config: WorkerConfig) -> int:
+def _sample_seed(base_seed: int, epoch: int, index: Any) -> int:
+    """A seed for one sample of one epoch, the same whichever worker reads it."""
+    key = index if isinstance(index, int) else zlib.crc32(repr(index).encode())
+    mixed = (base_seed ^ (epoch * 0x9E3779B97F4A7C15) ^ (key * 0xBF58476D1CE4E5B9)) & (2**64 - 1)
+    mixed = ((mixed ^ (mixed >> 31)) * 0x94D049BB133111EB) & (2**64 - 1)
+    return (mixed ^ (mixed >> 29)) & (2**63 - 1)
+
+
+def _seed_all(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+
+
+def _setup(config: WorkerConfig) -> None:
     seed = config.base_seed + config.worker_id
+    if config.thread:
+        _thread_local.info = thread_worker_info(config.worker_id, config.num_workers, seed,
+                                                config.dataset)
+        return
+    torch.set_num_threads(1)
     random.seed(seed)
     torch.manual_seed(seed)
     np.random.seed(numpy_seed(config.base_seed, config.worker_id))
-    return seed
+    set_worker_info(config.worker_id, config.num_workers, seed, config.dataset)
 
 
-def _produce(config: WorkerConfig, fetcher: Fetcher, index: Any, arena: Arena) -> Encoded:
+def _produce(config: WorkerConfig, fetcher: Fetcher, index: Any, arena: Arena | None) -> Produced:
+    start = time.perf_counter()
     samples = fetcher.fetch(index)
     dataset_state = config.dataset.state_dict() if config.tracks_state else None
-    if config.collate_fn is default_collate:
+    fetched = time.perf_counter()
+    if arena is not None and config.collate_fn is default_collate:
         batch = collate_into(samples, arena)
     else:
         batch = config.collate_fn(samples)
-    return encode(batch, arena, dataset_state)
+    if arena is not None:
+        batch = encode(batch, arena)
+    return Produced(batch, fetched - start, time.perf_counter() - fetched, dataset_state)
 
 
 def worker_loop(
@@ -97,14 +160,13 @@ def worker_loop(
     index_queue: Any,
     result_queue: Any,
     done_event: Any,
-    control: Connection,
+    control: Connection | None,
 ) -> None:
     """Run one worker until told to stop, or until the main process disappears."""
-    where = f"in DataLoader worker process {config.worker_id}"
+    kind = "thread" if config.thread else "process"
+    where = f"in DataLoader worker {kind} {config.worker_id}"
     try:
-        torch.set_num_threads(1)
-        seed = _seed(config)
-        set_worker_info(config.worker_id, config.num_workers, seed, config.dataset)
+        _setup(config)
         init_error: ExceptionWrapper | None = None
         fetcher: Fetcher | None = None
         try:
@@ -114,7 +176,7 @@ def worker_loop(
         except Exception:
             init_error = ExceptionWrapper(where=where)
 
-        slots = WorkerSlots(control)
+        slots = None if control is None else WorkerSlots(control)
         parent = os.getppid()
         iteration_end = False
         while os.getppid() == parent:
@@ -128,7 +190,7 @@ def worker_loop(
                 iteration_end = False
                 if init_error is None:
                     try:
-                        fetcher = config.fetcher(task.dataset_state)
+                        fetcher = config.fetcher(task.dataset_state, task.epoch)
                     except Exception:
                         init_error = ExceptionWrapper(where=where)
                 result_queue.put((task, None))
@@ -141,9 +203,12 @@ def worker_loop(
                 result = init_error
             else:
                 try:
-                    slots.sync()
-                    buffer = None if slot_id is None else slots.buffer(slot_id)
-                    result = _produce(config, fetcher, index, Arena(slot_id, buffer))
+                    arena = None
+                    if slots is not None:
+                        slots.sync()
+                        buffer = None if slot_id is None else slots.buffer(slot_id)
+                        arena = Arena(slot_id, buffer)
+                    result = _produce(config, fetcher, index, arena)
                 except StopIteration:
                     if not config.iterable:
                         result = ExceptionWrapper(where=where)
@@ -157,7 +222,8 @@ def worker_loop(
     except KeyboardInterrupt:
         pass  # the main process sees Ctrl-C too and shuts the pool down
     finally:
-        control.close()
-    if done_event.is_set():
+        if control is not None:
+            control.close()
+    if done_event.is_set() and not config.thread:
         result_queue.cancel_join_thread()
         result_queue.close()

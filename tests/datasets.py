@@ -232,3 +232,47 @@ class StatefulIterable(IterableDataset):
 
     def load_state_dict(self, state):
         self.position = state["position"]
+
+
+class SleepyDataset(Dataset):
+    """Each sample waits ``delay`` seconds without holding the GIL (like file or decode I/O)."""
+
+    def __init__(self, n: int = 400, delay: float = 0.01):
+        self.n, self.delay = n, delay
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        time.sleep(self.delay)
+        return torch.tensor(i)
+
+
+class RandomAugmentDataset(Dataset):
+    """Deterministic content plus draws from all three global RNGs (an 'augmentation')."""
+
+    def __len__(self) -> int:
+        return 24
+
+    def __getitem__(self, i: int):
+        return torch.tensor([float(i), torch.rand(()).item(), random.random(),
+                             float(np.random.rand())])
+
+
+def thread_identity(_i=None):
+    from fastfeed import worker_info
+
+    info = worker_info()
+    return None if info is None else (info.id, info.worker_method)
+
+
+class ThreadInfoDataset(Dataset):
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int):
+        from fastfeed import worker_info
+
+        info = worker_info()
+        return {"i": i, "id": -1 if info is None else info.id,
+                "method": "none" if info is None else str(info.worker_method)}

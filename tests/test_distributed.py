@@ -2,7 +2,6 @@
 
 import json
 
-import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from datasets import TensorDataset
@@ -31,7 +30,8 @@ def _rank(rank: int, init_file: str, out_dir: str) -> None:
                 loader.sampler.set_epoch(epoch)
                 batches[name] = list(loader)
             assert_same(batches["DataLoader"], batches["FastLoader"])
-            epochs.append([label for _, labels in batches["FastLoader"] for label in labels.tolist()])
+            epochs.append([label for _, labels in batches["FastLoader"]
+                           for label in labels.tolist()])
         gathered = [None] * WORLD
         dist.all_gather_object(gathered, epochs)
         if rank == 0:

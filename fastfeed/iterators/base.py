@@ -7,6 +7,7 @@ The order of RNG draws matters for reproducibility: the base seed is drawn from
 
 from __future__ import annotations
 
+import time
 import warnings
 from typing import TYPE_CHECKING, Any
 
@@ -14,6 +15,7 @@ import torch
 
 from fastfeed._torch_compat import is_iterable_dataset, pin_memory
 from fastfeed.resume import EpochStart, LoaderState
+from fastfeed.telemetry import batch_length
 
 if TYPE_CHECKING:
     from fastfeed.loader import FastLoader
@@ -35,6 +37,8 @@ class BaseIterator:
         self._timeout = loader.timeout
         self._collate_fn = loader.collate_fn
         self._persistent_workers = loader.persistent_workers
+        self._telemetry = loader._telemetry
+        self.records_delivery = True  # False when a DeviceIterator wraps this one and records
 
         if loader.pin_memory and loader.pin_memory_device:
             warnings.warn(
@@ -129,7 +133,11 @@ class BaseIterator:
     def _pin(self, batch: Any) -> Any:
         return pin_memory(batch, "cuda") if self._pin_memory else batch
 
+    def _delivered(self) -> None:
+        """Called after each batch is handed over (the worker pool tunes itself here)."""
+
     def __next__(self) -> Any:
+        requested = time.perf_counter()
         try:
             while self._skip_by_reading:
                 self._next_data()
@@ -140,6 +148,9 @@ class BaseIterator:
             self._exhausted = True
             raise
         self._num_yielded += 1
+        if self.records_delivery:
+            self._telemetry.delivered(requested, batch_length(data, self._auto_collation))
+        self._delivered()
         if self._iterable and self._len_called is not None and self._num_yielded > self._len_called:
             message = (
                 f"Length of IterableDataset {self._dataset} was reported to be "

@@ -1,32 +1,30 @@
-"""A pool of worker processes that collate into the ring.
+"""A pool of workers (processes that collate into the ring, or threads).
 
 Dispatch and reordering follow torch's ``_MultiProcessingDataLoaderIter``: indices go to
 workers round-robin, at most ``prefetch_factor`` tasks per worker are outstanding, results are
 returned in sampler order (or as they arrive with ``in_order=False``), and IterableDataset
 replicas are interleaved. What differs is what crosses the process boundary: each task carries
 a ring slot, and the result is a small message that ``codec.decode`` turns back into tensors
-that are views of that slot.
+that are views of that slot. With ``num_workers="auto"`` the pool also grows and shrinks.
 """
 
 from __future__ import annotations
 
 import atexit
-import itertools
-import queue
-import signal
 import time
 import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import torch
 from torch._utils import ExceptionWrapper
 
+from fastfeed.autotune import CpuMeter, Window
 from fastfeed.codec import Encoded, decode
+from fastfeed.iterators.backends import WorkerHandle, make_backend
 from fastfeed.iterators.base import BaseIterator
 from fastfeed.resume import LoaderState
-from fastfeed.ring import SlotRing, WorkerSlots, ring_supported
-from fastfeed.worker import Resume, WorkerConfig, WorkerDone, worker_loop
+from fastfeed.ring import SlotRing, ring_supported
+from fastfeed.worker import Produced, Resume, WorkerConfig, WorkerDone
 
 if TYPE_CHECKING:
     from fastfeed.loader import FastLoader
@@ -34,11 +32,11 @@ if TYPE_CHECKING:
 __all__ = ["WorkerPoolIterator"]
 
 # How often a waiting main process checks that its workers are alive.
-_LIVENESS_INTERVAL = 0.2
-# How long shutdown waits for workers to exit on their own before terminating them.
-_SHUTDOWN_GRACE = 2.0
+_LIVENESS_INTERVAL = 0.1
 # Beyond the slots of in-flight tasks: the batch being decoded and the one the user still holds.
 _SPARE_SLOTS = 2
+# Batches per tuner window.
+_TUNER_WINDOW = 20
 
 _python_exiting = False
 
@@ -60,59 +58,60 @@ class _Task:
     dataset_state: Any = None
 
 
-def _describe_exit(exitcode: int) -> str:
-    if exitcode < 0:
-        signum = -exitcode
-        try:
-            name = signal.Signals(signum).name
-        except ValueError:
-            name = f"signal {signum}"
-        hint = ""
-        if signum == signal.SIGBUS:
-            hint = " This usually means /dev/shm is full: enlarge it (docker --shm-size)."
-        elif signum == signal.SIGKILL:
-            hint = " It may have been killed by the out-of-memory killer."
-        return f"killed by signal {signum} ({name}).{hint}"
-    return f"exit code {exitcode}."
-
-
 class WorkerPoolIterator(BaseIterator):
-    """Iterates a FastLoader with ``num_workers > 0`` worker processes."""
+    """Iterates a FastLoader with worker processes or threads."""
 
     def __init__(self, loader: FastLoader) -> None:
         super().__init__(loader)
         assert loader.prefetch_factor is not None and loader.prefetch_factor > 0
         self._prefetch_factor = loader.prefetch_factor
         self._in_order = loader.in_order
-        self._max_tasks = self._prefetch_factor * self._num_workers
         self._loader_ref = weakref.ref(loader)
         self._shutdown = False
         self._epoch = 0
+        self._workers: list[WorkerHandle] = []
+        self._retired: set[int] = set()  # retired by the tuner; their ids are never reused
+        self._worker_init_fn = loader.worker_init_fn
+        self._deterministic = loader.deterministic
+        self._telemetry = loader._telemetry
+        self._tuner = loader._make_tuner(self._num_workers)
+        self._cpu = CpuMeter() if self._tuner is not None else None
+        self._window = (time.perf_counter(), self._telemetry.waited)
+        self._window_batches = 0
 
+        self._backend = make_backend(loader._active_worker_mode, loader.multiprocessing_context)
+        self._telemetry.worker_mode = self._backend.kind
+        self._spare_slots = _SPARE_SLOTS + loader._batches_held_by_prefetch
         slots = loader.ring_slots
-        if slots is None:
-            slots = self._max_tasks + _SPARE_SLOTS + loader._batches_held_by_prefetch
+        self._fixed_ring_size = slots is not None
+        use_ring = self._backend.kind == "process" and ring_supported() and slots != 0
         self._ring = (
-            SlotRing(slots, pin=loader._pins_ring, slot_bytes=loader._ring_slot_bytes)
-            if slots > 0 and ring_supported()
-            else None
+            SlotRing(slots if slots is not None else self._max_slots(self._num_workers),
+                     pin=loader._pins_ring, slot_bytes=loader._ring_slot_bytes)
+            if use_ring else None
         )
-
-        ctx = loader.multiprocessing_context or torch.multiprocessing
-        self._result_queue = ctx.Queue()
-        self._done_event = ctx.Event()
-        self._index_queues: list[Any] = []
-        self._controls: list[Any] = []
-        self._workers: list[Any] = []
+        self._telemetry.ring = self._ring
         try:
             for worker_id in range(self._num_workers):
-                self._start_worker(ctx, loader, worker_id)
+                self._start_worker(worker_id, self._resume_dataset_state(self._resume, worker_id))
         except BaseException:
             self._shutdown_workers()
             raise
         self._reset(loader, first_iter=True)
 
-    def _start_worker(self, ctx: Any, loader: FastLoader, worker_id: int) -> None:
+    @property
+    def _active(self) -> int:
+        return len(self._workers) - len(self._retired)
+
+    @property
+    def _max_tasks(self) -> int:
+        return self._prefetch_factor * self._active
+
+    def _max_slots(self, workers: int) -> int:
+        return self._prefetch_factor * workers + self._spare_slots
+
+    def _start_worker(self, worker_id: int, dataset_state: Any = None,
+                      num_workers: int | None = None) -> None:
         config = WorkerConfig(
             dataset=self._dataset,
             iterable=self._iterable,
@@ -120,24 +119,14 @@ class WorkerPoolIterator(BaseIterator):
             collate_fn=self._collate_fn,
             drop_last=self._drop_last,
             base_seed=self._base_seed,
-            worker_init_fn=loader.worker_init_fn,
+            worker_init_fn=self._worker_init_fn,
             worker_id=worker_id,
-            num_workers=self._num_workers,
-            dataset_state=self._resume_dataset_state(self._resume, worker_id),
+            num_workers=num_workers or self._num_workers,
+            dataset_state=dataset_state,
+            thread=self._backend.kind == "thread",
+            deterministic=self._deterministic,
         )
-        index_queue = ctx.Queue()
-        index_queue.cancel_join_thread()
-        control, worker_control = ctx.Pipe(duplex=True)
-        process = ctx.Process(
-            target=worker_loop,
-            args=(config, index_queue, self._result_queue, self._done_event, worker_control),
-            daemon=True,
-        )
-        self._index_queues.append(index_queue)
-        self._controls.append(control)
-        self._workers.append(process)
-        process.start()
-        worker_control.close()
+        self._workers.append(self._backend.start(config, self._ring))
 
     # -- epochs ------------------------------------------------------------------------------
     def _resume_dataset_state(self, resume: LoaderState | None, worker_id: int) -> Any:
@@ -154,14 +143,16 @@ class WorkerPoolIterator(BaseIterator):
     def _reset(self, loader: FastLoader, first_iter: bool = False) -> None:
         super()._reset(loader, first_iter)
         resume = self._epoch_resume
+        live = [w.worker_id for w in self._workers if w.worker_id not in self._retired]
         if not first_iter:
             self._epoch += 1
-            self._workers_status = [True] * self._num_workers  # every worker must acknowledge
-            for worker_id, index_queue in enumerate(self._index_queues):
-                index_queue.put(Resume(self._epoch, self._resume_dataset_state(resume, worker_id)))
+            self._workers_status = [w in live for w in range(len(self._workers))]
+            for worker_id in live:
+                state = self._resume_dataset_state(resume, worker_id)
+                self._workers[worker_id].index_queue.put(Resume(self._epoch, state))
             # Results of the abandoned epoch arrive before each worker's acknowledgement.
             acknowledged = 0
-            while acknowledged < self._num_workers:
+            while acknowledged < len(live):
                 idx, result = self._get_result()
                 if isinstance(idx, Resume):
                     acknowledged += idx.epoch == self._epoch
@@ -170,43 +161,50 @@ class WorkerPoolIterator(BaseIterator):
             for task in self._tasks.values():
                 if not task.done:
                     self._release(task.slot_id)
+        self._epoch_clock = time.perf_counter()
         self._send_idx = 0
         self._rcvd_idx = 0
         self._tasks: dict[int, _Task] = {}
         self._tasks_outstanding = 0
-        self._workers_status = [True] * self._num_workers
-        self._workers_num_tasks = [0] * self._num_workers
-        self._worker_cycle = itertools.cycle(range(self._num_workers))
+        self._workers_status = [w in live for w in range(len(self._workers))]
+        self._workers_num_tasks = [0] * len(self._workers)
+        self._next_worker = 0  # round-robin position
         self._done_at: dict[int, int] = {}  # worker id -> task index its replica ended at
         if resume is not None and resume.dataset_states is not None:
             # Continue the round robin where the snapshot left it.
-            for _ in range(resume.next_worker):
-                next(self._worker_cycle)
-            done = resume.workers_done or [False] * self._num_workers
-            self._workers_status = [not d for d in done]
+            self._next_worker = resume.next_worker
+            for worker_id, done in enumerate(resume.workers_done or []):
+                self._workers_status[worker_id] = not done
         for _ in range(self._max_tasks):
             self._try_put_index()
 
     # -- dispatch ----------------------------------------------------------------------------
+    def _pick_worker(self) -> int | None:
+        """The next active worker in round-robin order with room for a task, if any."""
+        count = len(self._workers)
+        for _ in range(count):
+            worker_id = self._next_worker % count
+            self._next_worker = worker_id + 1
+            if not self._workers_status[worker_id]:
+                continue
+            if self._in_order:
+                return worker_id
+            if self._workers_num_tasks[worker_id] < self._max_tasks // sum(self._workers_status):
+                return worker_id
+        return None
+
     def _try_put_index(self) -> None:
-        assert self._tasks_outstanding < self._max_tasks
+        if self._tasks_outstanding >= self._max_tasks:
+            return
         try:
             index = self._next_index()
         except StopIteration:
             return
-        for _ in range(self._num_workers):  # the next active worker, if any
-            worker_id = next(self._worker_cycle)
-            if not self._workers_status[worker_id]:
-                continue
-            if self._in_order:
-                break
-            active = sum(self._workers_status)
-            if self._workers_num_tasks[worker_id] < self._max_tasks // active:
-                break
-        else:
+        worker_id = self._pick_worker()
+        if worker_id is None:
             return
         slot_id = self._acquire_slot()
-        self._index_queues[worker_id].put((self._send_idx, index, slot_id))
+        self._workers[worker_id].index_queue.put((self._send_idx, index, slot_id))
         self._tasks[self._send_idx] = _Task(worker_id, slot_id)
         self._workers_num_tasks[worker_id] += 1
         self._tasks_outstanding += 1
@@ -216,16 +214,10 @@ class WorkerPoolIterator(BaseIterator):
         if self._ring is None:
             return None
         slot, created, retired = self._ring.acquire()
-        for control, process in zip(self._controls, self._workers, strict=True):
-            if process.exitcode is not None:
-                continue
-            try:
-                for slot_id in retired:
-                    WorkerSlots.retire(control, slot_id)
-                for new in created:
-                    WorkerSlots.announce(control, process.pid, new.slot_id, new.nbytes, new.fd)
-            except OSError:
-                pass  # the worker died; _get_result reports it
+        if created or retired:
+            for handle in self._workers:
+                if handle.worker_id not in self._retired:
+                    self._backend.announce(handle, created, retired)
         return None if slot is None else slot.slot_id
 
     def _release(self, slot_id: int | None) -> None:
@@ -240,9 +232,10 @@ class WorkerPoolIterator(BaseIterator):
             if deadline is not None:
                 wait = max(0.0, min(wait, deadline - time.monotonic()))
             try:
-                return self._result_queue.get(timeout=wait)
-            except queue.Empty:
-                pass
+                return self._backend.result_queue.get(timeout=wait)
+            except Exception as error:  # queue.Empty, from either kind of queue
+                if type(error).__name__ != "Empty":
+                    raise
             self._check_workers()
             if deadline is not None and time.monotonic() >= deadline:
                 raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds")
@@ -250,14 +243,15 @@ class WorkerPoolIterator(BaseIterator):
     def _check_workers(self, wait: float = 0.0) -> None:
         """Raise if an active worker has died, waiting up to ``wait`` s for one that is dying."""
         deadline = time.monotonic() + wait
-        while time.monotonic() < deadline and all(p.exitcode is None for p in self._workers):
+        while time.monotonic() < deadline and all(
+            h.exit_reason() is None for h in self._workers
+        ):
             time.sleep(0.02)
-        for worker_id, process in enumerate(self._workers):
-            if self._workers_status[worker_id] and process.exitcode is not None:
-                message = (
-                    f"DataLoader worker {worker_id} (pid {process.pid}) exited unexpectedly: "
-                    + _describe_exit(process.exitcode)
-                )
+        for handle in self._workers:
+            reason = handle.exit_reason()
+            if self._workers_status[handle.worker_id] and reason is not None:
+                message = (f"DataLoader worker {handle.worker_id} (pid {handle.pid}) exited "
+                           f"unexpectedly: {reason}")
                 self._shutdown_workers()
                 raise RuntimeError(message)
 
@@ -272,8 +266,7 @@ class WorkerPoolIterator(BaseIterator):
                     self._release(self._tasks.pop(self._rcvd_idx).slot_id)
                 self._rcvd_idx += 1
             else:
-                if not self._persistent_workers:
-                    self._shutdown_workers()
+                self._epoch_finished()
                 raise StopIteration
 
             task = self._tasks[self._rcvd_idx]
@@ -292,7 +285,7 @@ class WorkerPoolIterator(BaseIterator):
                 if self._persistent_workers:
                     self._workers_status[result.worker_id] = False
                 else:
-                    self._retire_worker(result.worker_id)
+                    self._stop_worker(result.worker_id)
                 self._try_put_index()
                 continue
             self._receive(arrived, result)
@@ -302,25 +295,39 @@ class WorkerPoolIterator(BaseIterator):
                     self._rcvd_idx += 1
                 return self._process(arrived)
 
+    def _epoch_finished(self) -> None:
+        loader = self._loader_ref()
+        if loader is not None and self._num_yielded:
+            rate = self._num_yielded / max(time.perf_counter() - self._epoch_clock, 1e-9)
+            loader._record_epoch_rate(self._backend.kind, rate)
+        if not self._persistent_workers:
+            self._shutdown_workers()
+
     def _receive(self, task: _Task, result: Any) -> None:
         # Decode at once: shared memory sent outside the ring is fetched from the worker, which
         # may exit (an exhausted IterableDataset replica) before this batch's turn comes.
         task.done = True
-        if isinstance(result, Encoded):
-            task.dataset_state = result.dataset_state
-            if self._ring is not None:
-                self._ring.note_required(result.required)
-            try:
-                task.result = decode(result, self._ring)  # the batch now holds the slot's lease
-            except (OSError, EOFError):
-                # Shared memory outside the ring is fetched from its worker: if that worker
-                # died, say so rather than surface a socket error.
-                self._release(task.slot_id)
-                self._check_workers(wait=_SHUTDOWN_GRACE)
-                raise
-        else:
+        if not isinstance(result, Produced):
             self._release(task.slot_id)
             task.result = result
+            return
+        task.dataset_state = result.dataset_state
+        self._telemetry.add_stage("fetch", result.fetch_s)
+        self._telemetry.add_stage("collate", result.collate_s)
+        self._telemetry.add_worker_busy(result.fetch_s + result.collate_s)
+        if not isinstance(result.batch, Encoded):  # from a thread: the batch itself
+            task.result = result.batch
+            return
+        if self._ring is not None:
+            self._ring.note_required(result.batch.required)
+        try:
+            task.result = decode(result.batch, self._ring)  # the batch holds the slot's lease
+        except (OSError, EOFError):
+            # Shared memory outside the ring is fetched from its worker: if that worker died,
+            # say so rather than surface a socket error.
+            self._release(task.slot_id)
+            self._check_workers(wait=2.0)
+            raise
 
     def _process(self, task: _Task) -> Any:
         self._workers_num_tasks[task.worker_id] -= 1
@@ -339,12 +346,51 @@ class WorkerPoolIterator(BaseIterator):
         return {
             "next_worker": self._tasks[upcoming].worker_id if pending else 0,
             "workers_done": [self._done_at.get(w, upcoming) < upcoming
-                             for w in range(self._num_workers)],
+                             for w in range(len(self._workers))],
         }
 
+    # -- auto-tuning -------------------------------------------------------------------------
+    def _delivered(self) -> None:
+        if self._tuner is None:
+            return
+        self._window_batches += 1
+        if self._window_batches < _TUNER_WINDOW:
+            return
+        now, waited = time.perf_counter(), self._telemetry.waited
+        (start, start_waited), self._window = self._window, (now, waited)
+        batches, self._window_batches = self._window_batches, 0
+        elapsed = now - start
+        if elapsed <= 0:
+            return
+        assert self._cpu is not None
+        window = Window(batches / elapsed, min(1.0, (waited - start_waited) / elapsed),
+                        self._cpu.idle_cores())
+        wanted = self._tuner.observe(window)
+        if wanted != self._active:
+            self._telemetry.decision(self._tuner.log[-1])
+            self._resize(wanted)
+
+    def _resize(self, wanted: int) -> None:
+        while self._active < wanted:
+            self._start_worker(len(self._workers), num_workers=self._active + 1)
+            self._workers_status.append(True)
+            self._workers_num_tasks.append(0)
+        while self._active > wanted:
+            # The newest active worker finishes its queued tasks, then exits.
+            worker_id = max(set(range(len(self._workers))) - self._retired)
+            self._retired.add(worker_id)
+            self._stop_worker(worker_id)
+        if self._ring is not None and not self._fixed_ring_size:
+            self._ring.max_slots = self._max_slots(self._active)
+        loader = self._loader_ref()
+        if loader is not None:
+            loader.num_workers = self._active  # what the tuner settled on, for the next epoch
+        for _ in range(self._max_tasks):
+            self._try_put_index()
+
     # -- shutdown ----------------------------------------------------------------------------
-    def _retire_worker(self, worker_id: int) -> None:
-        self._index_queues[worker_id].put(None)
+    def _stop_worker(self, worker_id: int) -> None:
+        self._workers[worker_id].index_queue.put(None)
         self._workers_status[worker_id] = False
 
     def _shutdown_workers(self) -> None:
@@ -352,25 +398,8 @@ class WorkerPoolIterator(BaseIterator):
             return
         self._shutdown = True
         try:
-            self._done_event.set()
-            for index_queue, process in zip(self._index_queues, self._workers, strict=True):
-                if process.exitcode is None:
-                    index_queue.put(None)
-            deadline = time.monotonic() + _SHUTDOWN_GRACE
-            for process in self._workers:
-                process.join(timeout=max(0.0, deadline - time.monotonic()))
+            self._backend.shutdown(self._workers)
         finally:
-            for process in self._workers:
-                if process.exitcode is None:
-                    process.terminate()
-                    process.join(timeout=_SHUTDOWN_GRACE)
-            for index_queue in self._index_queues:
-                index_queue.cancel_join_thread()
-                index_queue.close()
-            self._result_queue.cancel_join_thread()
-            self._result_queue.close()
-            for control in self._controls:
-                control.close()
             if self._ring is not None:
                 loader = self._loader_ref()
                 if loader is not None:
@@ -378,4 +407,5 @@ class WorkerPoolIterator(BaseIterator):
                 self._ring.close()
 
     def __del__(self) -> None:
-        self._shutdown_workers()
+        if hasattr(self, "_backend"):
+            self._shutdown_workers()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any
 
 from fastfeed.fetch import make_fetcher
@@ -28,14 +29,19 @@ class SingleProcessIterator(BaseIterator):
         super()._reset(loader, first_iter)
         self._tracks_state = self._iterable and hasattr(self._dataset, "state_dict")
         if self._tracks_state and self._dataset_states[0] is not None:
-            self._dataset.load_state_dict(self._dataset_states[0])
+            self._dataset.load_state_dict(self._dataset_states[0])  # type: ignore[attr-defined]
         self._fetcher = make_fetcher(
             self._dataset, self._iterable, self._auto_collation, self._drop_last
         )
 
     def _next_data(self) -> Any:
         index = self._next_index()
+        start = time.perf_counter()
         samples = self._fetcher.fetch(index)
         if self._tracks_state:
-            self._dataset_states[0] = self._dataset.state_dict()
-        return self._pin(self._collate_fn(samples))
+            self._dataset_states[0] = self._dataset.state_dict()  # type: ignore[attr-defined]
+        fetched = time.perf_counter()
+        batch = self._collate_fn(samples)
+        self._telemetry.add_stage("fetch", fetched - start)
+        self._telemetry.add_stage("collate", time.perf_counter() - fetched)
+        return self._pin(batch)

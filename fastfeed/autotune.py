@@ -1,0 +1,161 @@
+"""``num_workers="auto"``: pick a starting worker count, then adjust it from measurements.
+
+The tuner is a hill climber over the worker count, fed one :class:`Window` of measurements
+every ``window`` batches. It adds a worker while the consumer waits for data and a core is
+idle, keeps it only if throughput rises by at least ``gain``, retires one while the consumer
+never waits, and undoes a retirement that made the consumer wait. A count found wanting
+becomes a bound for the rest of the tuner's life, so it settles instead of oscillating; after
+undoing a move it also holds still for ``cooldown`` windows. Bounds: at least 1 worker, at
+most the cores in the affinity mask and what the memory budget allows. The decision logic
+takes numbers, not clocks, so it is unit-tested on simulated rates.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+__all__ = ["CpuMeter", "Window", "WorkerTuner", "available_cpus", "initial_workers"]
+
+# A worker is budgeted at the main process's RSS (it is a fork of it) and at least this much.
+_MIN_WORKER_BYTES = 256 << 20
+
+
+def available_cpus() -> int:
+    """Cores this process may run on (the affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def _meminfo(field: str) -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _rss() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return _MIN_WORKER_BYTES
+
+
+def memory_cap(share: float = 0.5) -> int:
+    """Workers that fit in ``share`` of available memory, each budgeted at this RSS."""
+    available = _meminfo("MemAvailable")
+    if available is None:
+        return available_cpus()
+    return max(1, int(available * share) // max(_rss(), _MIN_WORKER_BYTES))
+
+
+def initial_workers() -> tuple[int, int]:
+    """``(start, maximum)``: start one short of the cores (the main process needs one too),
+    capped at 4 so that the tuner, not the guess, decides on big machines."""
+    maximum = max(1, min(available_cpus(), memory_cap()))
+    return max(1, min(maximum - 1, 4)), maximum
+
+
+class CpuMeter:
+    """Idle cores between two readings of /proc/stat (None where it is unreadable)."""
+
+    def __init__(self) -> None:
+        self._last = self._read()
+
+    @staticmethod
+    def _read() -> tuple[int, int] | None:
+        try:
+            with open("/proc/stat") as f:
+                values = [int(v) for v in f.readline().split()[1:]]
+        except (OSError, ValueError):
+            return None
+        idle = values[3] + (values[4] if len(values) > 4 else 0)
+        return idle, sum(values)
+
+    def idle_cores(self) -> float | None:
+        now = self._read()
+        last, self._last = self._last, now
+        if now is None or last is None or now[1] <= last[1]:
+            return None
+        return (now[0] - last[0]) / (now[1] - last[1]) * (os.cpu_count() or 1)
+
+
+@dataclass(frozen=True)
+class Window:
+    """Measurements over one window of batches."""
+
+    batches_per_s: float
+    wait_fraction: float  # consumer's share of wall time spent waiting for data
+    idle_cores: float | None  # None: unknown, treated as "a core is free"
+
+
+class WorkerTuner:
+    """Decides the worker count from successive windows.
+
+    Args:
+        start: the current worker count.
+        maximum: never more workers than this.
+        minimum: never fewer.
+        wait_high: wait fraction above which the consumer is starved.
+        wait_low: wait fraction below which workers are surplus.
+        gain: relative throughput gain an added worker must bring to stay.
+        cooldown: windows to hold still after undoing a move.
+    """
+
+    def __init__(self, start: int, maximum: int, minimum: int = 1, wait_high: float = 0.05,
+                 wait_low: float = 0.01, gain: float = 0.05, cooldown: int = 5) -> None:
+        self.workers = max(minimum, min(start, maximum))
+        self.minimum, self.maximum = minimum, maximum
+        self.wait_high, self.wait_low = wait_high, wait_low
+        self.gain, self.cooldown = gain, cooldown
+        self._last_move = 0  # +1 added, -1 retired, 0 none
+        self._before: Window | None = None  # the window before the last move
+        self._hold = 0
+        self.log: list[str] = []
+
+    def observe(self, window: Window) -> int:
+        """Feed one window; return the worker count to use from now on."""
+        move, reason = self._decide(window)
+        if move:
+            self._before = window
+            self.workers += move
+            self.log.append(f"{self.workers - move} -> {self.workers} workers: {reason}")
+        return self.workers
+
+    def _decide(self, w: Window) -> tuple[int, str]:
+        last, self._last_move = self._last_move, 0
+        if last == +1 and self._before is not None:
+            if w.batches_per_s < self._before.batches_per_s * (1 + self.gain):
+                self._hold = self.cooldown
+                self.maximum = self.workers - 1  # this count did not pay: do not retry it
+                return -1, (f"the added worker did not pay ({self._before.batches_per_s:.1f} -> "
+                            f"{w.batches_per_s:.1f} batches/s)")
+            self._before = None
+        if last == -1 and self._before is not None:
+            slower = w.batches_per_s < self._before.batches_per_s * (1 - self.gain)
+            if w.wait_fraction > self.wait_high or slower:
+                self._hold = self.cooldown
+                self.minimum = self.workers + 1  # fewer starved the consumer: stay above
+                return +1, f"retiring made the consumer wait ({100 * w.wait_fraction:.0f}%)"
+            self._before = None
+        if self._hold:
+            self._hold -= 1
+            return 0, ""
+        free_core = w.idle_cores is None or w.idle_cores >= 0.5
+        if w.wait_fraction > self.wait_high and free_core and self.workers < self.maximum:
+            self._last_move = +1
+            return +1, f"consumer waits {100 * w.wait_fraction:.0f}% and a core is free"
+        if w.wait_fraction < self.wait_low and self.workers > self.minimum:
+            self._last_move = -1
+            return -1, f"consumer never waits ({100 * w.wait_fraction:.1f}%)"
+        return 0, ""

@@ -1,0 +1,161 @@
+"""Where workers run: processes (the default; batches cross through the ring) or threads.
+
+A backend starts workers and owns what they share with the main process: the result queue,
+the done event and, for processes, each worker's index queue and control pipe. The pool
+iterator above it only dispatches tasks and orders results.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fastfeed.ring import SlotRing, WorkerSlots
+from fastfeed.worker import WorkerConfig, worker_loop
+
+__all__ = ["ProcessBackend", "ThreadBackend", "WorkerHandle"]
+
+# How long shutdown waits for workers to exit on their own before terminating them.
+SHUTDOWN_GRACE = 2.0
+
+
+@dataclass
+class WorkerHandle:
+    worker_id: int
+    runner: Any  # multiprocessing.Process or threading.Thread
+    index_queue: Any
+    control: Any = None  # the main side of a process worker's control pipe
+
+    @property
+    def pid(self) -> int:
+        """The process id (this process's, for a thread)."""
+        return getattr(self.runner, "pid", None) or os.getpid()
+
+    def exit_reason(self) -> str | None:
+        """Why the worker is gone, or None while it runs."""
+        exitcode = getattr(self.runner, "exitcode", None)
+        if isinstance(self.runner, threading.Thread):
+            return None if self.runner.is_alive() else "the thread ended."
+        if exitcode is None:
+            return None
+        if exitcode >= 0:
+            return f"exit code {exitcode}."
+        signum = -exitcode
+        try:
+            name = signal.Signals(signum).name
+        except ValueError:
+            name = f"signal {signum}"
+        hint = ""
+        if signum == signal.SIGBUS:
+            hint = " This usually means /dev/shm is full: enlarge it (docker --shm-size)."
+        elif signum == signal.SIGKILL:
+            hint = " It may have been killed by the out-of-memory killer."
+        return f"killed by signal {signum} ({name}).{hint}"
+
+
+class ProcessBackend:
+    """Worker processes from ``ctx`` (fork, spawn or forkserver), fed through the ring."""
+
+    kind = "process"
+
+    def __init__(self, ctx: Any) -> None:
+        self._ctx = ctx
+        self.result_queue = ctx.Queue()
+        self.done_event = ctx.Event()
+
+    def start(self, config: WorkerConfig, ring: SlotRing | None) -> WorkerHandle:
+        index_queue = self._ctx.Queue()
+        index_queue.cancel_join_thread()
+        control, worker_control = self._ctx.Pipe(duplex=True)
+        process = self._ctx.Process(
+            target=worker_loop,
+            args=(config, index_queue, self.result_queue, self.done_event, worker_control),
+            daemon=True,
+        )
+        handle = WorkerHandle(config.worker_id, process, index_queue, control)
+        process.start()
+        worker_control.close()
+        if ring is not None:  # a worker added late maps the slots that exist already
+            for slot_id, nbytes, fd in ring.fds():
+                WorkerSlots.announce(control, handle.pid, slot_id, nbytes, fd)
+        return handle
+
+    def announce(self, handle: WorkerHandle, created: list, retired: list[int]) -> None:
+        if handle.runner.exitcode is not None:
+            return
+        try:
+            for slot_id in retired:
+                WorkerSlots.retire(handle.control, slot_id)
+            for slot in created:
+                WorkerSlots.announce(handle.control, handle.pid, slot.slot_id, slot.nbytes,
+                                     slot.fd)
+        except OSError:
+            pass  # the worker died; the pool's liveness check reports it
+
+    def shutdown(self, handles: list[WorkerHandle]) -> None:
+        try:
+            self.done_event.set()
+            for handle in handles:
+                if handle.runner.exitcode is None:
+                    handle.index_queue.put(None)
+            deadline = time.monotonic() + SHUTDOWN_GRACE
+            for handle in handles:
+                handle.runner.join(timeout=max(0.0, deadline - time.monotonic()))
+        finally:
+            for handle in handles:
+                if handle.runner.exitcode is None:
+                    handle.runner.terminate()
+                    handle.runner.join(timeout=SHUTDOWN_GRACE)
+            for handle in handles:
+                handle.index_queue.cancel_join_thread()
+                handle.index_queue.close()
+                handle.control.close()
+            self.result_queue.cancel_join_thread()
+            self.result_queue.close()
+
+
+class ThreadBackend:
+    """Worker threads in this process: no IPC, no pickling; for GIL-releasing work."""
+
+    kind = "thread"
+
+    def __init__(self) -> None:
+        self.result_queue: queue.Queue = queue.Queue()
+        self.done_event = threading.Event()
+
+    def start(self, config: WorkerConfig, ring: SlotRing | None) -> WorkerHandle:
+        index_queue: queue.Queue = queue.Queue()
+        thread = threading.Thread(
+            target=worker_loop,
+            args=(config, index_queue, self.result_queue, self.done_event, None),
+            name=f"fastfeed-worker-{config.worker_id}",
+            daemon=True,
+        )
+        thread.start()
+        return WorkerHandle(config.worker_id, thread, index_queue)
+
+    def announce(self, handle: WorkerHandle, created: list, retired: list[int]) -> None:
+        pass  # threads share the batch directly: no ring
+
+    def shutdown(self, handles: list[WorkerHandle]) -> None:
+        self.done_event.set()
+        for handle in handles:
+            handle.index_queue.put(None)
+        deadline = time.monotonic() + SHUTDOWN_GRACE
+        for handle in handles:
+            # A thread busy in a long __getitem__ cannot be stopped; it is a daemon and ends
+            # with its task.
+            handle.runner.join(timeout=max(0.0, deadline - time.monotonic()))
+
+
+def make_backend(mode: str, multiprocessing_context: Any) -> ProcessBackend | ThreadBackend:
+    if mode == "thread":
+        return ThreadBackend()
+    return ProcessBackend(multiprocessing_context or torch.multiprocessing)

@@ -1,0 +1,233 @@
+"""Where the time goes: counters a loader keeps while it runs, and ``loader.stats()``.
+
+Per batch the loader records a handful of ``perf_counter`` readings (a few microseconds,
+against milliseconds per batch); workers time their own fetch and collate steps and send the
+figures with the batch. GPU utilisation and memory come from NVML on a background thread,
+sampled twice a second while a CUDA loader is iterating, and fail soft with a reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from fastfeed.nvml import GpuSample, nvml_status, sample_gpus
+
+__all__ = ["GpuSampler", "LoaderStats", "Telemetry", "batch_length"]
+
+logger = logging.getLogger("fastfeed")
+
+STAGES = ("fetch", "collate", "transfer", "gpu_transform")
+
+
+@dataclass(frozen=True)
+class LoaderStats:
+    """A snapshot of a loader's telemetry since it was created (or last reset).
+
+    Attributes:
+        batches, samples: delivered to the consumer.
+        elapsed_s: wall time from the first request for a batch to the latest delivery.
+        wait_fraction: share of ``elapsed_s`` the consumer spent waiting in ``__next__``
+            (the data stall), in [0, 1].
+        stage_ms: mean milliseconds per batch of each stage: ``fetch`` (dataset reads) and
+            ``collate`` (in the workers), ``transfer`` (host-to-device enqueue) and
+            ``gpu_transform`` (the host side of launching it).
+        workers: current worker count; ``worker_mode``: ``"process"`` or ``"thread"``.
+        worker_utilization: share of the workers' wall time spent fetching and collating.
+        ring_slots_used, ring_slots, ring_mb: ring occupancy now.
+        skipped_samples: samples dropped by an ``on_error="skip"`` policy.
+        gpu: NVML readings averaged over the run, one per GPU; empty when unavailable.
+        gpu_status: why ``gpu`` is empty, or ``"ok"``.
+        decisions: the worker tuner's decisions, oldest first.
+    """
+
+    batches: int
+    samples: int
+    elapsed_s: float
+    wait_fraction: float
+    stage_ms: dict[str, float]
+    workers: int
+    worker_mode: str
+    worker_utilization: float
+    ring_slots_used: int
+    ring_slots: int
+    ring_mb: float
+    skipped_samples: int
+    gpu: list[GpuSample]
+    gpu_status: str
+    decisions: list[str] = field(default_factory=list)
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    @property
+    def batches_per_s(self) -> float:
+        return self.batches / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    def summary(self) -> str:
+        """One line: throughput, stall, workers, ring, GPU."""
+        gpu = (", ".join(f"gpu{g.index} {g.utilization:.0f}%" for g in self.gpu)
+               if self.gpu else "gpu n/a")
+        return (f"{self.samples_per_s:,.0f} samples/s, {self.batches_per_s:.1f} batches/s, "
+                f"stall {100 * self.wait_fraction:.1f}%, {self.workers} {self.worker_mode} "
+                f"workers ({100 * self.worker_utilization:.0f}% busy), ring "
+                f"{self.ring_slots_used}/{self.ring_slots}, {gpu}")
+
+    def postfix(self) -> dict[str, str]:
+        """Short fields for ``tqdm.set_postfix``."""
+        return {"img/s": f"{self.samples_per_s:,.0f}", "stall": f"{100 * self.wait_fraction:.0f}%",
+                "workers": str(self.workers)}
+
+    def __str__(self) -> str:
+        stages = "  ".join(f"{name} {ms:.2f}" for name, ms in self.stage_ms.items())
+        lines = [
+            f"batches {self.batches}, samples {self.samples} in {self.elapsed_s:.2f} s: "
+            f"{self.samples_per_s:,.1f} samples/s, {self.batches_per_s:.2f} batches/s",
+            f"data stall: {100 * self.wait_fraction:.1f}% of wall time waiting in __next__",
+            f"per batch (ms): {stages}",
+            f"workers: {self.workers} ({self.worker_mode}), "
+            f"{100 * self.worker_utilization:.0f}% busy",
+            f"ring: {self.ring_slots_used}/{self.ring_slots} slots in use, {self.ring_mb:.1f} MB",
+            f"skipped samples: {self.skipped_samples}",
+        ]
+        if self.gpu:
+            lines += [f"gpu{g.index} {g.name}: {g.utilization:.0f}% busy, "
+                      f"{g.memory_used / 2**30:.1f}/{g.memory_total / 2**30:.1f} GiB"
+                      for g in self.gpu]
+        else:
+            lines.append(f"gpu: {self.gpu_status}")
+        lines += [f"tuner: {d}" for d in self.decisions]
+        return "\n".join(lines)
+
+
+class GpuSampler:
+    """Samples NVML on a daemon thread; averages readings until stopped."""
+
+    def __init__(self, interval: float = 0.5) -> None:
+        self.interval = interval
+        self._samples: list[list[GpuSample]] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        status = nvml_status()
+        self.status = "ok" if status.available else status.reason
+
+    def start(self) -> None:
+        if self.status != "ok" or (self._thread is not None and self._thread.is_alive()):
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="fastfeed-nvml", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self._samples.append(sample_gpus())
+            except Exception as error:  # NVML can fail mid-run (driver reset): stop quietly
+                self.status = f"{type(error).__name__}: {error}"
+                return
+            del self._samples[:-600]  # the last five minutes at the default interval
+
+    def average(self) -> list[GpuSample]:
+        rounds = list(self._samples)
+        if not rounds:
+            return []
+        return [GpuSample(g.index, g.name,
+                          sum(r[i].utilization for r in rounds) / len(rounds),
+                          max(r[i].memory_used for r in rounds), g.memory_total)
+                for i, g in enumerate(rounds[-1])]
+
+
+def batch_length(batch: Any, auto_collation: bool) -> int:
+    """Samples in a batch: the leading size of its first tensor (1 without auto-collation)."""
+    if not auto_collation:
+        return 1
+    stack = [batch]
+    while stack:
+        item = stack.pop(0)
+        if isinstance(item, torch.Tensor):
+            return int(item.shape[0]) if item.dim() else 1
+        if isinstance(item, Mapping):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            if item and not isinstance(item[0], (torch.Tensor, Mapping, list, tuple)):
+                return len(item)
+            stack.extend(item)
+    return 1
+
+
+class Telemetry:
+    """Accumulates a loader's counters, across epochs, until :meth:`reset`.
+
+    ``describe`` renders the one-line summary logged every ``log_every`` batches.
+    """
+
+    def __init__(self, log_every: int | None = None,
+                 describe: Callable[[], str] | None = None) -> None:
+        self.log_every = log_every
+        self.describe = describe
+        self.worker_mode = "process"
+        self.ring: Any = None  # the live iterator's SlotRing, for occupancy
+        self.reset()
+
+    def reset(self) -> None:
+        self.batches = 0
+        self.samples = 0
+        self.waited = 0.0
+        self.first_request: float | None = None
+        self.last_delivery: float | None = None
+        self.stage_s = dict.fromkeys(STAGES, 0.0)
+        self.stage_batches = dict.fromkeys(STAGES, 0)
+        self.worker_busy_s = 0.0
+        self.skipped = 0
+        self.decisions: list[str] = []
+        self._lock = threading.Lock()
+
+    def add_stage(self, stage: str, seconds: float) -> None:
+        with self._lock:
+            self.stage_s[stage] += seconds
+            self.stage_batches[stage] += 1
+
+    def add_worker_busy(self, seconds: float) -> None:
+        with self._lock:
+            self.worker_busy_s += seconds
+
+    def delivered(self, requested_at: float, batch_size: int) -> None:
+        now = time.perf_counter()
+        if self.first_request is None:
+            self.first_request = requested_at
+        self.waited += now - requested_at
+        self.last_delivery = now
+        self.batches += 1
+        self.samples += batch_size
+        if self.log_every and self.batches % self.log_every == 0:
+            self._log_line()
+
+    def decision(self, message: str) -> None:
+        self.decisions.append(message)
+        logger.debug("fastfeed tuner: %s", message)
+
+    def _log_line(self) -> None:
+        if self.describe is None:
+            return
+        line = f"fastfeed: {self.describe()}"
+        if logging.getLogger().hasHandlers():
+            logger.info(line)
+        else:
+            print(line, file=sys.stderr, flush=True)
+
+    @property
+    def elapsed(self) -> float:
+        if self.first_request is None or self.last_delivery is None:
+            return 0.0
+        return self.last_delivery - self.first_request

@@ -1,0 +1,49 @@
+"""The tuner's decisions on simulated rates: no clocks, no processes."""
+
+from fastfeed.autotune import Window, WorkerTuner, initial_workers
+
+
+def simulate(tuner, rate_of, wait_of, idle=1.0, windows=30):
+    """Feed the tuner windows whose rate and wait depend only on the worker count."""
+    counts = []
+    for _ in range(windows):
+        n = tuner.workers
+        counts.append(tuner.observe(Window(rate_of(n), wait_of(n), idle)))
+    return counts
+
+
+def test_adds_workers_until_the_consumer_stops_waiting():
+    rate = lambda n: min(n, 3) * 10.0  # noqa: E731 - three workers saturate the consumer
+    wait = lambda n: 0.0 if n >= 3 else 0.5  # noqa: E731
+    counts = simulate(WorkerTuner(1, maximum=8), rate, wait)
+    assert counts[-1] == 3
+    assert max(counts) <= 4
+
+
+def test_undoes_a_worker_that_does_not_pay():
+    rate = lambda n: 20.0  # noqa: E731 - CPU-bound: more workers bring nothing
+    wait = lambda n: 0.3  # noqa: E731
+    tuner = WorkerTuner(2, maximum=8)
+    counts = simulate(tuner, rate, wait)
+    assert counts[-1] == 2 and max(counts) == 3
+    assert any("did not pay" in line for line in tuner.log)
+
+
+def test_retires_surplus_workers_and_keeps_the_floor():
+    rate = lambda n: 30.0  # noqa: E731 - the consumer is the bottleneck at any count
+    wait = lambda n: 0.0 if n >= 2 else 0.2  # noqa: E731
+    counts = simulate(WorkerTuner(6, maximum=8), rate, wait)
+    assert counts[-1] == 2
+    assert counts[-10:] == [2] * 10  # settled, not oscillating
+
+
+def test_never_exceeds_maximum_or_adds_without_a_free_core():
+    always_waiting = lambda n: 0.9  # noqa: E731
+    assert max(simulate(WorkerTuner(1, maximum=2), lambda n: n * 10.0, always_waiting)) == 2
+    assert simulate(WorkerTuner(1, maximum=8), lambda n: n * 10.0, always_waiting,
+                    idle=0.1)[-1] == 1
+
+
+def test_initial_guess_is_within_bounds():
+    start, maximum = initial_workers()
+    assert 1 <= start <= maximum

@@ -1,0 +1,156 @@
+"""Thread workers, num_workers="auto", deterministic=True, and stats()."""
+
+import logging
+
+import pytest
+import torch
+from datasets import (
+    DetectionDataset,
+    FailingDataset,
+    GetItemsDataset,
+    RandomAugmentDataset,
+    ShardedIterable,
+    SleepyDataset,
+    SlowDataset,
+    TensorDataset,
+    ThreadInfoDataset,
+    detection_collate,
+)
+from helpers import assert_same, compare
+from torch.utils.data import DataLoader
+
+from fastfeed import FastLoader, LoaderStats
+
+THREADS = {"worker_mode": "thread"}
+
+
+@pytest.mark.parametrize("dataset", [TensorDataset, GetItemsDataset])
+@pytest.mark.parametrize("persistent", [False, True])
+def test_thread_workers_match_torch(dataset, persistent):
+    compare(dataset, batch_size=4, num_workers=2, shuffle=True, generator=3, epochs=2,
+            persistent_workers=persistent, fast=THREADS)
+
+
+def test_thread_workers_custom_collate_and_in_order_false():
+    compare(DetectionDataset, batch_size=4, num_workers=2, collate_fn=detection_collate,
+            fast=THREADS)
+    got = list(FastLoader(TensorDataset(), batch_size=3, num_workers=2, in_order=False,
+                          worker_mode="thread"))
+    assert sorted(b[1][0].item() for b in got) == list(range(0, 37, 3))
+
+
+def test_thread_worker_errors_and_timeout():
+    with pytest.raises(KeyError, match="bad index 5"):
+        list(FastLoader(FailingDataset(bad=5), batch_size=2, num_workers=2, worker_mode="thread"))
+    with pytest.raises(RuntimeError, match=r"timed out after 0\.3 seconds"):
+        next(iter(FastLoader(SlowDataset(delay=2), num_workers=1, timeout=0.3,
+                             worker_mode="thread")))
+
+
+def test_worker_info_in_threads():
+    batches = list(FastLoader(ThreadInfoDataset(), batch_size=None, num_workers=2,
+                              worker_mode="thread"))
+    assert {b["id"] for b in batches} == {0, 1}
+    assert {b["method"] for b in batches} == {"thread"}
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"worker_mode": "fibers"}, "worker_mode"),
+    ({"num_workers": "many"}, "'auto'"),
+    ({"num_workers": 2, "worker_mode": "thread", "deterministic": True}, "threads share"),
+    ({"log_every": 0}, "log_every"),
+])
+def test_bad_mode_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        FastLoader(TensorDataset(), **kwargs)
+    with pytest.raises(ValueError, match="map-style"):
+        FastLoader(ShardedIterable(), num_workers=2, worker_mode="thread")
+
+
+def test_deterministic_samples_do_not_depend_on_the_worker():
+    def run(workers):
+        loader = FastLoader(RandomAugmentDataset(), batch_size=4, num_workers=workers,
+                            deterministic=True, generator=torch.Generator().manual_seed(1))
+        return list(loader)
+
+    one, two = run(1), run(2)
+    assert_same(one, two)
+    # ... while without it, the draws follow the worker that happens to read the sample.
+    plain = [list(FastLoader(RandomAugmentDataset(), batch_size=4, num_workers=w,
+                             generator=torch.Generator().manual_seed(1))) for w in (1, 2)]
+    assert not all(torch.equal(a, b) for a, b in zip(*plain, strict=True))
+
+
+def test_auto_workers_keep_torchs_order_and_grow_when_starved():
+    loader = FastLoader(SleepyDataset(n=600, delay=0.01), batch_size=1, num_workers="auto")
+    assert isinstance(loader.num_workers, int) and loader.num_workers >= 1
+    expected = list(DataLoader(SleepyDataset(n=600, delay=0.0), batch_size=1))
+    start = loader.num_workers
+    got = list(loader)
+    assert_same(expected, got)
+    stats = loader.stats()
+    if start < loader._max_workers:
+        assert loader.num_workers > start, stats.decisions
+        assert stats.decisions and "consumer waits" in stats.decisions[0]
+
+
+def test_worker_mode_auto_tries_both_then_keeps_one():
+    loader = FastLoader(TensorDataset(n=64), batch_size=4, num_workers=2, worker_mode="auto")
+    modes = []
+    for _ in range(3):
+        list(loader)
+        modes.append(loader._telemetry.worker_mode)
+    assert modes[:2] == ["process", "thread"]
+    assert modes[2] in ("process", "thread")
+    assert any("worker_mode auto" in d for d in loader.stats().decisions)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("mode", ["process", "thread"])
+def test_stats_are_consistent(num_workers, mode):
+    loader = FastLoader(TensorDataset(n=37), batch_size=4, num_workers=num_workers,
+                        worker_mode=mode, persistent_workers=num_workers > 0)
+    for _ in range(2):
+        for _ in loader:
+            pass
+    stats = loader.stats()
+    assert isinstance(stats, LoaderStats)
+    assert stats.batches == 2 * len(loader) and stats.samples == 2 * 37
+    assert 0.0 <= stats.wait_fraction <= 1.0 and 0.0 <= stats.worker_utilization <= 1.0
+    assert stats.stage_ms["fetch"] > 0 and stats.stage_ms["collate"] > 0
+    assert stats.workers == num_workers
+    assert stats.gpu == [] and stats.gpu_status  # no NVML here: a reason, no exception
+    assert "samples/s" in str(stats) and "stall" in stats.summary()
+    if num_workers and mode == "process":
+        assert stats.ring_slots_used + stats.ring_slots > 0
+    assert loader.stats(reset=True).batches == stats.batches
+    assert loader.stats().batches == 0
+
+
+def test_stats_on_the_device_path_count_the_transfer():
+    loader = FastLoader(TensorDataset(), batch_size=4, num_workers=2, device="cpu")
+    list(loader)
+    stats = loader.stats()
+    assert stats.batches == len(loader) and stats.stage_ms["transfer"] > 0
+
+
+def test_log_every_logs_a_summary(caplog):
+    # pytest configures logging, so the summary goes to the "fastfeed" logger at INFO.
+    with caplog.at_level(logging.INFO, logger="fastfeed"):
+        list(FastLoader(TensorDataset(n=20), batch_size=2, num_workers=0, log_every=5))
+    lines = [r.message for r in caplog.records if r.name == "fastfeed"]
+    assert len(lines) == 2 and all("samples/s" in line for line in lines)
+
+
+def test_log_every_prints_without_logging_configured(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    code = (f"import sys; sys.path[:0] = [{str(root)!r}, {str(root / 'tests')!r}]\n"
+            "from datasets import TensorDataset\nfrom fastfeed import FastLoader\n"
+            "list(FastLoader(TensorDataset(n=20), batch_size=2, log_every=5))")
+    err = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stderr
+    assert err.count("fastfeed:") == 2
