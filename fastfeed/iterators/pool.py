@@ -249,7 +249,10 @@ class WorkerPoolIterator(BaseIterator):
             time.sleep(0.02)
         for handle in self._workers:
             reason = handle.exit_reason()
-            if self._workers_status[handle.worker_id] and reason is not None:
+            # A retired worker exits normally, but only once its queued tasks are done.
+            expected = (self._workers_status[handle.worker_id]
+                        or self._workers_num_tasks[handle.worker_id] > 0)
+            if expected and reason is not None:
                 message = (f"DataLoader worker {handle.worker_id} (pid {handle.pid}) exited "
                            f"unexpectedly: {reason}")
                 self._shutdown_workers()
@@ -260,7 +263,7 @@ class WorkerPoolIterator(BaseIterator):
             while self._rcvd_idx < self._send_idx:
                 task = self._tasks.get(self._rcvd_idx)
                 if task is not None:
-                    if task.done or self._workers_status[task.worker_id]:
+                    if task.done or task.worker_id not in self._done_at:
                         break
                     # its worker's IterableDataset replica ended; the task never ran
                     self._release(self._tasks.pop(self._rcvd_idx).slot_id)
