@@ -36,9 +36,11 @@ PAYLOAD = os.urandom(1 << 16) * 4  # 256 KiB: about 2 ms of zlib level 6 here
 
 
 def python_work(ms: float) -> None:
-    end = time.perf_counter() + ms / 1000
+    """Burn ``ms`` of this thread's CPU time in Python (not wall time: more workers than
+    cores must not look free)."""
+    end = time.thread_time() + ms / 1000
     x = 0
-    while time.perf_counter() < end:
+    while time.thread_time() < end:
         x += 1
 
 

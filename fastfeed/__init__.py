@@ -6,9 +6,10 @@ Change one import::
 """
 
 from fastfeed.loader import FastLoader
+from fastfeed.skip import SKIP
 from fastfeed.telemetry import LoaderStats
 from fastfeed.worker import worker_info
 
 __version__ = "0.1.0"
 
-__all__ = ["FastLoader", "LoaderStats", "__version__", "worker_info"]
+__all__ = ["SKIP", "FastLoader", "LoaderStats", "__version__", "worker_info"]

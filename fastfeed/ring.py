@@ -319,6 +319,11 @@ class Arena:
         assert self.buffer is not None
         return self.buffer[offset : offset + nbytes].view(dtype).view(shape)
 
+    def empty_or_new(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A tensor in the slot if it has room, else an ordinary one."""
+        tensor = self.empty(shape, dtype)
+        return torch.empty(shape, dtype=dtype) if tensor is None else tensor
+
     def owns(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` lives in this arena's slot."""
         return (

