@@ -34,6 +34,7 @@ from torch.utils.data import DataLoader, Dataset
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fastfeed import FastLoader
 from fastfeed import transforms as T
+from fastfeed.bench.models import build_model
 from fastfeed.progress import progress
 
 
@@ -51,32 +52,6 @@ class UInt8Images(Dataset):
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
         return self.images[i % 16], i % self.classes
-
-
-def yolo_like(classes: int) -> nn.Module:
-    """A small strided conv net in the shape of a YOLO backbone and head."""
-    layers: list[nn.Module] = []
-    channels = 3
-    for width in (16, 32, 64, 128, 256):
-        layers += [nn.Conv2d(channels, width, 3, 2, 1, bias=False), nn.BatchNorm2d(width),
-                   nn.SiLU(), nn.Conv2d(width, width, 3, 1, 1, bias=False),
-                   nn.BatchNorm2d(width), nn.SiLU()]
-        channels = width
-    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, classes)]
-    return nn.Sequential(*layers)
-
-
-def tiny(classes: int) -> nn.Module:
-    return nn.Sequential(nn.Conv2d(3, 8, 3, 2, 1), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
-                         nn.Flatten(), nn.Linear(8, classes))
-
-
-def build_model(name: str, classes: int) -> nn.Module:
-    if name == "resnet50":
-        import torchvision  # optional: only this benchmark needs it
-
-        return torchvision.models.resnet50(num_classes=classes)
-    return yolo_like(classes) if name == "yolo-like" else tiny(classes)
 
 
 def run_case(case: str, args: argparse.Namespace, device: torch.device) -> dict:

@@ -16,6 +16,7 @@ import fastfeed
 from fastfeed._copy import extension_loaded
 from fastfeed.nvml import nvml_status
 from fastfeed.ring import ring_supported
+from fastfeed.vision.decode import roi_decoder_available
 
 __all__ = ["collect", "format_report", "pillow_is_simd"]
 
@@ -58,6 +59,8 @@ def collect() -> dict[str, str]:
         "numpy": np.__version__,
         "Pillow": PIL.__version__ + (" (pillow-simd)" if pillow_is_simd() else ""),
         "C++ extension": "loaded" if extension_loaded() else "not built: pure-torch copy path",
+        "JPEG window decoder": "libjpeg-turbo (fastfeed._jpeg)" if roi_decoder_available()
+        else "not built: Pillow draft mode",
         "ring": "memfd slots" if ring_supported() else "unsupported here: ordinary path",
         "CUDA": f"{torch.version.cuda} ({torch.cuda.device_count()} device(s))"
         if cuda

@@ -18,7 +18,7 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
@@ -84,7 +84,7 @@ def _images(value: Any, name: str) -> torch.Tensor:
 class Compose(BatchTransform):
     """Apply ``transforms`` in order; seeding one seeds all, each with its own stream."""
 
-    def __init__(self, transforms: Sequence[BatchTransform]) -> None:
+    def __init__(self, transforms: Sequence[Callable[[Any], Any]]) -> None:
         super().__init__()
         self.transforms = list(transforms)
 

@@ -88,7 +88,7 @@ def test_image_size_and_non_jpeg():
 def test_corrupt_images_name_the_file(damage, use_roi):
     data = jpeg_bytes()
     broken = data[: len(data) // 2] if damage == "truncated" else b"\xff\xd8" + os.urandom(500)
-    with pytest.raises(DecodeError, match="broken.jpg"):
+    with pytest.raises(DecodeError, match=r"broken\.jpg"):
         decode_resized_crop(broken, lambda w, h: (0, 0, w, h), (64, 64), "broken.jpg", use_roi)
 
 

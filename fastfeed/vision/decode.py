@@ -6,7 +6,9 @@ Two paths, giving the same pixels up to the rounding of window edges:
   only the rows and iMCU columns of the window, at 1/2, 1/4 or 1/8 scale when the window is
   at least 2×, 4× or 8× the output.
 - Pillow: ``Image.draft`` picks the DCT scale for the whole image (it only pays when the window
-  is at least twice the output), then ``resize(box=...)`` crops and resizes in one pass.
+  is at least twice the output), then the window is cut out.
+
+Either way the window is resized with torch's uint8 antialiased bilinear kernel.
 
 Anything that is not a JPEG (PNG, WebP, ...) goes through Pillow.
 """
@@ -18,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import torch
 from PIL import Image
 
 try:
@@ -49,7 +52,7 @@ def image_size(data: bytes, path: str | Path = "<bytes>") -> tuple[int, int]:
     """``(width, height)`` from the header, without decoding pixels."""
     try:
         if _is_jpeg(data) and roi_decoder_available():
-            return tuple(_jpeg.jpeg_size(data))  # type: ignore[union-attr]
+            return tuple(_jpeg.jpeg_size(data))
         with Image.open(io.BytesIO(data)) as image:
             return image.size
     except Exception as error:
@@ -77,18 +80,29 @@ def decode_resized_crop(
     """
     try:
         if use_roi and _is_jpeg(data) and roi_decoder_available():
-            width, height = _jpeg.jpeg_size(data)  # type: ignore[union-attr]
+            width, height = _jpeg.jpeg_size(data)
             x, y, w, h = choose_box(width, height)
-            window, _ = _jpeg.decode_crop(data, x, y, w, h, *size)  # type: ignore[union-attr]
-            image = Image.fromarray(window)
-            if image.size != size:
-                image = image.resize(size, Image.Resampling.BILINEAR)
-            return np.asarray(image)
+            window, _ = _jpeg.decode_crop(data, x, y, w, h, *size)
+            return resize(window, size)
         return _pillow_resized_crop(data, choose_box, size)
     except DecodeError:
         raise
     except Exception as error:
         raise DecodeError(f"cannot decode image {path}: {error}") from error
+
+
+def resize(image: np.ndarray, size: tuple[int, int]) -> np.ndarray:
+    """Antialiased bilinear resize of a uint8 HWC image to ``size`` (width, height).
+
+    torch's uint8 kernel gives Pillow's BILINEAR result (to within rounding) about three times
+    faster; it runs in the calling thread's torch threads (one, in a worker).
+    """
+    if (image.shape[1], image.shape[0]) == size:
+        return image
+    chw = torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1).unsqueeze(0)
+    out = torch.nn.functional.interpolate(chw, size=(size[1], size[0]), mode="bilinear",
+                                          antialias=True, align_corners=False)
+    return np.ascontiguousarray(out[0].permute(1, 2, 0).numpy())
 
 
 def _pillow_resized_crop(data: bytes, choose_box: Callable[[int, int], Box],
@@ -100,6 +114,8 @@ def _pillow_resized_crop(data: bytes, choose_box: Callable[[int, int], Box],
             # Ask for the largest DCT reduction that keeps the *window* at least ``size``.
             image.draft("RGB", (max(1, width * size[0] // w), max(1, height * size[1] // h)))
         scale_x, scale_y = image.size[0] / width, image.size[1] / height
-        box = (x * scale_x, y * scale_y, (x + w) * scale_x, (y + h) * scale_y)
-        rgb = image.convert("RGB")
-        return np.asarray(rgb.resize(size, Image.Resampling.BILINEAR, box=box))
+        rgb = np.asarray(image.convert("RGB"))
+    left, top = int(x * scale_x), int(y * scale_y)
+    right = max(left + 1, round((x + w) * scale_x))
+    bottom = max(top + 1, round((y + h) * scale_y))
+    return resize(rgb[top:bottom, left:right], size)

@@ -46,7 +46,7 @@ def parse_labels(path: str | Path) -> np.ndarray:
 
 def letterbox_boxes(boxes: np.ndarray, width: int, height: int, size: int) -> np.ndarray:
     """Map normalised ``cx cy w h`` boxes of a ``width × height`` image into its letterbox."""
-    ratio, new_w, new_h, left, top = letterbox_geometry(width, height, size)
+    _, new_w, new_h, left, top = letterbox_geometry(width, height, size)
     out = boxes.astype(np.float32, copy=True)
     out[:, 0] = (boxes[:, 0] * new_w + left) / size
     out[:, 1] = (boxes[:, 1] * new_h + top) / size

@@ -1,0 +1,98 @@
+"""``fastfeed bench``: the stock DataLoader against FastLoader, on your data.
+
+Configurations run interleaved, each measurement in a fresh process, and the medians of
+``--repeats`` are reported: throughput, speedup against stock at the same worker count, the
+data stall (share of wall time spent waiting for a batch), time to the first batch, and peak
+RSS (main process plus its largest worker). Writes ``bench.json`` and, with matplotlib,
+``bench.png`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+from fastfeed.bench.data import BenchError, resolve
+from fastfeed.bench.report import write_chart, write_json, write_table
+from fastfeed.bench.run import Job, run_in_child
+from fastfeed.progress import progress
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--data", default="synthetic",
+                        help="synthetic | imagenet-like | PATH (ImageFolder or YOLO) | "
+                             "module:function (returns a Dataset)")
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--workers", default="2",
+                        help="a count, a comma-separated list (0,2,4) or auto")
+    parser.add_argument("--device", default=None, help="cuda or cpu: also run FastLoader "
+                        "with device= and a GPU-side Normalize")
+    parser.add_argument("--backend", default="cpu", choices=["cpu"],
+                        help="image decode backend for fastfeed's image pipeline")
+    parser.add_argument("--batches", type=int, default=50, help="batches per measurement")
+    parser.add_argument("--step-ms", type=float, default=0.0,
+                        help="simulate a model step of this many milliseconds per batch")
+    parser.add_argument("--model", choices=["resnet50", "yolo-like", "tiny"],
+                        help="run a real training step instead of --step-ms")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--images", type=int, default=1000,
+                        help="size of the generated imagenet-like set")
+    parser.add_argument("--out", type=Path, default=Path("fastfeed-bench"))
+
+
+def _workers(text: str) -> list[str]:
+    values = [v.strip() for v in text.split(",") if v.strip()]
+    for value in values:
+        if value != "auto" and not value.isdigit():
+            raise BenchError(f"--workers {text}: expected counts like 2 or 0,2,4, or auto")
+    return values
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the comparison; bad input is reported in one line (exit status 2)."""
+    try:
+        workers = _workers(args.workers)
+        if args.batch_size <= 0 or args.batches <= 0 or args.repeats <= 0:
+            raise BenchError("--batch-size, --batches and --repeats must be positive")
+        if args.device not in (None, "cpu", "cuda") and not str(args.device).startswith("cuda:"):
+            raise BenchError(f"--device {args.device}: expected cpu or cuda")
+        source = resolve(args.data, args.images)
+        args.out.mkdir(parents=True, exist_ok=True)
+    except BenchError as error:
+        print(f"fastfeed bench: error: {error}", file=sys.stderr)
+        return 2
+
+    configs = ["stock", "fastfeed"] + (["fastfeed+device"] if args.device else [])
+    plan = [(c, w) for w in workers for c in configs]
+    jobs = [(r, c, w) for r in range(args.repeats)
+            for c, w in (plan if r % 2 == 0 else plan[::-1])]
+    samples: dict[tuple[str, str], list[dict[str, float]]] = {p: [] for p in plan}
+    for _, config, count in progress(jobs, total=len(jobs), desc="fastfeed bench"):
+        job = Job(args.data, args.images, config, count, args.batch_size, args.batches,
+                  args.device, args.step_ms, args.model)
+        try:
+            samples[(config, count)].append(run_in_child(job))
+        except RuntimeError as error:
+            print(f"fastfeed bench: error: {error}", file=sys.stderr)
+            return 1
+
+    results: list[dict[str, Any]] = [
+        {"config": config, "workers": count,
+         **{key: statistics.median(m[key] for m in runs) for key in runs[0]}}
+        for (config, count), runs in samples.items()]
+    step = f"model {args.model}" if args.model else f"step {args.step_ms:g} ms"
+    title = (f"{source.description}: batch {args.batch_size}, {step}, medians of "
+             f"{args.repeats}")
+    write_table(results, title)
+    write_json(results, {"args": {k: str(v) for k, v in vars(args).items()}, "title": title},
+               args.out / "bench.json")
+    charted = write_chart(results, title, args.out / "bench.png")
+    print(f"wrote {args.out / 'bench.json'}"
+          + (f" and {args.out / 'bench.png'}" if charted else " (pip install matplotlib "
+             "for a chart)"))
+    return 0

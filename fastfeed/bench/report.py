@@ -1,0 +1,80 @@
+"""Show ``fastfeed bench`` results: a table (rich if installed), a JSON file, a PNG chart."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+__all__ = ["write_chart", "write_json", "write_table"]
+
+COLUMNS = ["config", "workers", "samples/s", "vs stock", "stall %", "first batch s",
+           "peak RSS MB"]
+
+
+def rows(results: list[dict[str, Any]]) -> list[list[str]]:
+    stock = {r["workers"]: r["samples_per_s"] for r in results if r["config"] == "stock"}
+    out = []
+    for r in results:
+        base = stock.get(r["workers"]) or next(iter(stock.values()), None)
+        ratio = f"{r['samples_per_s'] / base:.2f}×" if base else "n/a"
+        out.append([r["config"], str(r["workers"]), f"{r['samples_per_s']:,.0f}", ratio,
+                    f"{r['stall_pct']:.1f}", f"{r['first_batch_s']:.2f}",
+                    f"{r['peak_rss_mb']:,.0f}"])
+    return out
+
+
+def write_table(results: list[dict[str, Any]], title: str) -> str:
+    """Print the table; return it as plain text too."""
+    body = rows(results)
+    try:
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title=title)
+        for column in COLUMNS:
+            table.add_column(column, justify="left" if column == "config" else "right")
+        for row in body:
+            table.add_row(*row)
+        Console().print(table)
+    except ImportError:
+        pass
+    widths = [max(len(c), *(len(r[i]) for r in body)) for i, c in enumerate(COLUMNS)]
+    lines = [title, "  ".join(c.ljust(w) for c, w in zip(COLUMNS, widths, strict=True))]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)) for r in body]
+    text = "\n".join(lines)
+    try:
+        import rich  # noqa: F401 - already printed above
+    except ImportError:
+        print(text)
+    return text
+
+
+def write_json(results: list[dict[str, Any]], meta: dict[str, Any], path: Path) -> None:
+    path.write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+
+
+def write_chart(results: list[dict[str, Any]], title: str, path: Path) -> bool:
+    """Bar chart of throughput with the stall on a second axis; False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    labels = [f"{r['config']}\n{r['workers']} workers" for r in results]
+    colors = ["#9e9e9e" if r["config"] == "stock" else "#1f77b4" for r in results]
+    fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(results)), 4.2))
+    bars = ax.bar(labels, [r["samples_per_s"] for r in results], color=colors)
+    ax.bar_label(bars, fmt="{:,.0f}", fontsize=8)
+    ax.set_ylabel("samples / s (median)")
+    stall = ax.twinx()
+    stall.plot(labels, [r["stall_pct"] for r in results], "o--", color="#d62728")
+    stall.set_ylabel("data stall % of wall time", color="#d62728")
+    stall.set_ylim(0, 100)
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True

@@ -1,0 +1,110 @@
+"""One measurement of one configuration, in a process of its own (clean peak RSS)."""
+
+from __future__ import annotations
+
+import json
+import resource
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from fastfeed import transforms as T
+from fastfeed.bench.data import Source, resolve
+from fastfeed.loader import FastLoader
+from fastfeed.tree import map_tensors
+
+__all__ = ["Job", "measure", "run_in_child"]
+
+
+@dataclass(frozen=True)
+class Job:
+    data: str
+    images: int
+    config: str  # "stock", "fastfeed", "fastfeed+device"
+    workers: str  # an int as text, or "auto"
+    batch_size: int
+    batches: int
+    device: str | None
+    step_ms: float
+    model: str | None
+
+
+def _build(job: Job, source: Source) -> Any:
+    dataset, collate = source.dataset(job.config)
+    workers: int | str = job.workers if job.workers == "auto" else int(job.workers)
+    kwargs: dict[str, Any] = {"batch_size": job.batch_size, "shuffle": True,
+                              "collate_fn": collate}
+    if job.config == "stock":
+        stock_workers = workers if isinstance(workers, int) else 2
+        return DataLoader(dataset, num_workers=stock_workers,
+                          pin_memory=job.device == "cuda", **kwargs)
+    if job.config == "fastfeed+device":
+        key = "img" if source.kind == "detect" else 0
+        kwargs.update(device=job.device, gpu_transform=T.Normalize(key=key))
+    return FastLoader(dataset, num_workers=workers, **kwargs)
+
+
+def _images(batch: Any) -> torch.Tensor:
+    return batch["img"] if isinstance(batch, dict) else batch[0] if isinstance(
+        batch, (list, tuple)) else batch
+
+
+def measure(job: Job) -> dict[str, float]:
+    """Iterate ``job.batches`` batches with a simulated (or real) step; return the figures."""
+    source = resolve(job.data, job.images)
+    loader = _build(job, source)
+    device = torch.device(job.device) if job.device else None
+    model = None
+    if job.model:
+        from fastfeed.bench.models import TrainStep
+
+        model = TrainStep(job.model, device or torch.device("cpu"))
+    normalize = T.Normalize(key="img" if source.kind == "detect" else 0)
+    start = time.perf_counter()
+    iterator = iter(loader)
+    waited, samples, first = 0.0, 0, None
+    for _ in range(job.batches):
+        before = time.perf_counter()
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            iterator = iter(loader)
+            batch = next(iterator)
+        if device is not None and job.config == "stock":
+            batch = normalize(map_tensors(lambda t: t.to(device, non_blocking=True), batch))
+        waited += time.perf_counter() - before
+        if first is None:
+            first = time.perf_counter() - start
+        images = _images(batch)
+        samples += len(images)
+        if model is not None:
+            model.step(images)
+        elif job.step_ms:
+            time.sleep(job.step_ms / 1000)
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elapsed = time.perf_counter() - start
+    peak = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            + resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss) / 1024
+    del iterator
+    return {"samples_per_s": samples / elapsed, "stall_pct": 100 * waited / elapsed,
+            "first_batch_s": first or 0.0, "peak_rss_mb": peak}
+
+
+def run_in_child(job: Job) -> dict[str, float]:
+    """Run :func:`measure` in a fresh interpreter and return its figures."""
+    out = subprocess.run([sys.executable, "-m", "fastfeed.bench.run", json.dumps(asdict(job))],
+                         capture_output=True, text=True)
+    if out.returncode != 0:
+        last = (out.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(f"{job.config} with {job.workers} workers failed: {last}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+if __name__ == "__main__":
+    print(json.dumps(measure(Job(**json.loads(sys.argv[1])))))
