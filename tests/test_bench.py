@@ -1,0 +1,60 @@
+"""``fastfeed bench``: runs end to end, and bad input is one line, never a traceback."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def bench(*args, cwd=None, env=None):
+    return subprocess.run([sys.executable, "-m", "fastfeed", "bench", *args],
+                          capture_output=True, text=True, cwd=cwd, env=env, timeout=600)
+
+
+def test_synthetic_run_writes_table_json_and_chart(tmp_path):
+    out = bench("--data", "synthetic", "--workers", "0,2", "--batches", "4", "--repeats", "1",
+                "--batch-size", "8", "--out", str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    assert "stock" in out.stdout and "fastfeed" in out.stdout and "vs stock" in out.stdout
+    results = json.loads((tmp_path / "bench.json").read_text())["results"]
+    assert {(r["config"], r["workers"]) for r in results} == {
+        ("stock", "0"), ("fastfeed", "0"), ("stock", "2"), ("fastfeed", "2")}
+    assert all(0 <= r["stall_pct"] <= 100 and r["samples_per_s"] > 0 for r in results)
+    pytest.importorskip("matplotlib")
+    assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_image_folder_and_module_sources(tmp_path):
+    import os
+
+    from fastfeed.vision.synthetic import make_imagefolder
+
+    folder = make_imagefolder(tmp_path / "imgs", images=24, classes=2)
+    out = bench("--data", str(folder), "--workers", "2", "--batches", "2", "--repeats", "1",
+                "--batch-size", "8", "--out", str(tmp_path / "a"))
+    assert out.returncode == 0, out.stderr
+    assert "classify folder" in out.stdout
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "tests"))
+    out = bench("--data", "datasets:TensorDataset", "--workers", "0", "--batches", "2",
+                "--repeats", "1", "--batch-size", "4", "--out", str(tmp_path / "b"), env=env)
+    assert out.returncode == 0, out.stderr
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--data", "/no/such/dir"], "no such directory"),
+    (["--data", "no_such_module_xyz:make"], "cannot import"),
+    (["--data", "json:no_such_function"], "has no function"),
+    (["--data", "json:dumps"], "raised TypeError"),
+    (["--workers", "two"], "expected counts"),
+    (["--device", "tpu"], "expected cpu or cuda"),
+])
+def test_bad_input_is_one_line(args, message, tmp_path):
+    out = bench(*args, "--out", str(tmp_path))
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("fastfeed bench: error:"), out.stderr
+    assert message in lines[0] and "Traceback" not in out.stderr

@@ -1,0 +1,25 @@
+"""The examples run on CPU with tiny generated data."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(script, *args):
+    return subprocess.run([sys.executable, str(ROOT / "examples" / script), *args],
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_train_resnet_example():
+    out = run("train_resnet.py", "--generate", "48", "--epochs", "1", "--batch-size", "8",
+              "--size", "64", "--device", "cpu")
+    assert out.returncode == 0, out.stderr
+    assert "epoch 0: loss" in out.stdout and "samples/s" in out.stdout
+
+
+def test_yolo_example_without_ultralytics():
+    out = run("train_yolo_ultralytics.py", "--epochs", "2")
+    assert out.returncode == 0, out.stderr
+    assert "epoch 1: loss" in out.stdout
