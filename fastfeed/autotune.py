@@ -15,6 +15,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from fastfeed._proc import available_memory, resident_memory
+
 __all__ = ["CpuMeter", "Window", "WorkerTuner", "available_cpus", "initial_workers"]
 
 # A worker is budgeted at the main process's RSS (it is a fork of it) and at least this much.
@@ -29,34 +31,13 @@ def available_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def _meminfo(field: str) -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def _rss() -> int:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return _MIN_WORKER_BYTES
-
-
 def memory_cap(share: float = 0.5) -> int:
     """Workers that fit in ``share`` of available memory, each budgeted at this RSS."""
-    available = _meminfo("MemAvailable")
+    available = available_memory()
     if available is None:
         return available_cpus()
-    return max(1, int(available * share) // max(_rss(), _MIN_WORKER_BYTES))
+    worker = max(resident_memory() or 0, _MIN_WORKER_BYTES)
+    return max(1, int(available * share) // worker)
 
 
 def initial_workers() -> tuple[int, int]:

@@ -31,6 +31,8 @@ from multiprocessing.reduction import recv_handle, send_handle
 import numpy as np
 import torch
 
+from fastfeed._proc import available_memory
+
 __all__ = ["Arena", "SlotRing", "WorkerSlots", "ring_supported"]
 
 logger = logging.getLogger(__name__)
@@ -56,17 +58,6 @@ def _map(fd: int, nbytes: int) -> mmap.mmap:
     # Before Python 3.13, mmap keeps a dup of the fd for as long as the mapping lives.
     options = {"trackfd": False} if sys.version_info >= (3, 13) else {}
     return mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, **options)
-
-
-def _available_memory() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 def _cuda_host_register(array: np.ndarray) -> bool:
@@ -211,7 +202,7 @@ class SlotRing:
         os.close(slot.fd)
 
     def _fits_in_memory(self) -> bool:
-        available = _available_memory()
+        available = available_memory()
         if available is None or self.slot_bytes <= _MAX_SHARE_OF_AVAILABLE * available:
             return True
         if not self._warned_memory:

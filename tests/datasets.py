@@ -234,20 +234,6 @@ class StatefulIterable(IterableDataset):
         self.position = state["position"]
 
 
-class SleepyDataset(Dataset):
-    """Each sample waits ``delay`` seconds without holding the GIL (like file or decode I/O)."""
-
-    def __init__(self, n: int = 400, delay: float = 0.01):
-        self.n, self.delay = n, delay
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int):
-        time.sleep(self.delay)
-        return torch.tensor(i)
-
-
 class RandomAugmentDataset(Dataset):
     """Deterministic content plus draws from all three global RNGs (an 'augmentation')."""
 

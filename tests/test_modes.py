@@ -10,7 +10,6 @@ from datasets import (
     GetItemsDataset,
     RandomAugmentDataset,
     ShardedIterable,
-    SleepyDataset,
     SlowDataset,
     TensorDataset,
     ThreadInfoDataset,
@@ -82,9 +81,10 @@ def test_deterministic_samples_do_not_depend_on_the_worker():
 
 
 def test_auto_workers_keep_torchs_order_and_grow_when_starved():
-    loader = FastLoader(SleepyDataset(n=600, delay=0.01), batch_size=1, num_workers="auto")
+    # Sleeping samples: the consumer waits while cores idle, so a second worker pays.
+    loader = FastLoader(SlowDataset(n=600, delay=0.01), batch_size=1, num_workers="auto")
     assert isinstance(loader.num_workers, int) and loader.num_workers >= 1
-    expected = list(DataLoader(SleepyDataset(n=600, delay=0.0), batch_size=1))
+    expected = list(DataLoader(SlowDataset(n=600, delay=0.0), batch_size=1))
     start = loader.num_workers
     got = list(loader)
     assert_same(expected, got)

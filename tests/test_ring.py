@@ -134,7 +134,7 @@ def test_ring_learns_size_across_non_persistent_epochs():
 def test_ring_refuses_slots_larger_than_memory(monkeypatch):
     import fastfeed.ring as ring_module
 
-    monkeypatch.setattr(ring_module, "_available_memory", lambda: 1 << 16)
+    monkeypatch.setattr(ring_module, "available_memory", lambda: 1 << 16)
     with pytest.warns(RuntimeWarning, match="does not fit"):
         compare(lambda: TensorDataset(n=24, shape=(3, 64, 64)), batch_size=8, num_workers=2,
                 epochs=2, persistent_workers=True)

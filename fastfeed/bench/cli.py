@@ -5,6 +5,11 @@ Configurations run interleaved, each measurement in a fresh process, and the med
 data stall (share of wall time spent waiting for a batch), time to the first batch, and peak
 RSS (main process plus its largest worker). Writes ``bench.json`` and, with matplotlib,
 ``bench.png`` to ``--out``.
+
+Configurations: ``stock`` (torch's DataLoader; for image folders, over a plain Pillow dataset),
+``fastfeed`` (FastLoader with the same arguments; for image folders, the ``cpu`` image
+backend), ``fastfeed+device`` (with ``--device``: device prefetch and a GPU-side Normalize) and
+``dali`` (image folders, when NVIDIA DALI is installed).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from fastfeed.bench.data import BenchError, resolve
 from fastfeed.bench.report import write_chart, write_json, write_table
 from fastfeed.bench.run import Job, run_in_child
 from fastfeed.progress import progress
+from fastfeed.vision.dali import dali_available
 
 __all__ = ["add_arguments", "run"]
 
@@ -32,8 +38,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a count, a comma-separated list (0,2,4) or auto")
     parser.add_argument("--device", default=None, help="cuda or cpu: also run FastLoader "
                         "with device= and a GPU-side Normalize")
-    parser.add_argument("--backend", default="cpu", choices=["cpu"],
-                        help="image decode backend for fastfeed's image pipeline")
     parser.add_argument("--batches", type=int, default=50, help="batches per measurement")
     parser.add_argument("--step-ms", type=float, default=0.0,
                         help="simulate a model step of this many milliseconds per batch")
@@ -68,6 +72,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
     configs = ["stock", "fastfeed"] + (["fastfeed+device"] if args.device else [])
+    if source.kind == "classify" and dali_available():
+        configs.append("dali")
     plan = [(c, w) for w in workers for c in configs]
     jobs = [(r, c, w) for r in range(args.repeats)
             for c, w in (plan if r % 2 == 0 else plan[::-1])]

@@ -18,7 +18,7 @@ __all__ = ["BACKENDS", "choose_backend", "image_loader"]
 
 logger = logging.getLogger("fastfeed")
 
-BACKENDS = ("auto", "cpu", "nvjpeg")
+BACKENDS = ("auto", "cpu", "nvjpeg", "dali")
 
 
 def _has(module: str) -> bool:
@@ -29,7 +29,8 @@ def _has(module: str) -> bool:
 
 
 def choose_backend(backend: str, device: Any, task: str) -> str:
-    """Resolve ``"auto"``: nvjpeg on a CUDA device with torchvision (classification), else cpu.
+    """Resolve ``"auto"``: for classification on a CUDA device, DALI if installed, else nvjpeg
+    if torchvision is; otherwise cpu.
 
     Raises:
         ValueError: an unknown backend, or one that cannot run here (the message says why).
@@ -38,14 +39,19 @@ def choose_backend(backend: str, device: Any, task: str) -> str:
         raise ValueError(f"backend should be one of {BACKENDS}, got {backend!r}")
     on_cuda = device is not None and torch.device(device).type == "cuda"
     nvjpeg_ok = on_cuda and torch.cuda.is_available() and _has("torchvision")
+    dali_ok = _has("nvidia.dali")
     if backend == "auto":
-        chosen = "nvjpeg" if nvjpeg_ok and task == "classify" else "cpu"
+        chosen = "cpu"
+        if on_cuda and task == "classify":
+            chosen = "dali" if dali_ok else "nvjpeg" if nvjpeg_ok else "cpu"
         logger.info("fastfeed.image_loader: backend %s (device %s)", chosen, device)
         return chosen
     if backend == "nvjpeg" and not nvjpeg_ok:
         raise ValueError("backend='nvjpeg' needs device='cuda', a GPU and torchvision")
-    if backend == "nvjpeg" and task != "classify":
-        raise ValueError("backend='nvjpeg' supports task='classify' only; use 'cpu' for detect")
+    if backend in ("nvjpeg", "dali") and task != "classify":
+        raise ValueError(f"backend={backend!r} supports task='classify' only; use 'cpu' for detect")
+    if backend == "dali" and not dali_ok:
+        raise ValueError("backend='dali' needs NVIDIA DALI: pip install 'fastfeed[dali]'")
     return backend
 
 
@@ -63,7 +69,7 @@ def image_loader(
     on_error: str = "raise",
     **loader_kwargs: Any,
 ) -> FastLoader:
-    """Build a FastLoader over an image folder.
+    """Build a FastLoader over an image folder (a DALI loader for ``backend="dali"``).
 
     Args:
         root: an ImageFolder (``task="classify"``) or a YOLO folder with ``images/`` and
@@ -75,7 +81,9 @@ def image_loader(
         train: random augmentation and shuffling (True) or evaluation crops in order.
         backend: ``"cpu"`` (decode in workers; only the crop window of JPEGs is decoded),
             ``"nvjpeg"`` (workers read bytes, the GPU decodes; needs ``device="cuda"`` and
-            torchvision) or ``"auto"``. Every backend yields the same batch structure.
+            torchvision), ``"dali"`` (an NVIDIA DALI pipeline with the same iteration
+            interface: ``len()``, epochs, a short last batch; CPU-only mode without a GPU) or
+            ``"auto"``. Every backend yields the same batch structure.
         device: deliver batches on this device (see :class:`FastLoader`).
         num_workers: an int or ``"auto"``.
         on_error: ``"raise"`` for a corrupt image (the error names the file) or ``"skip"``.
@@ -86,6 +94,11 @@ def image_loader(
         raise ValueError(f"task should be 'classify' or 'detect', got {task!r}")
     chosen = choose_backend(backend, device, task)
     loader_kwargs.setdefault("shuffle", train)
+    if chosen == "dali":
+        from fastfeed.vision.dali import DaliLoader
+
+        return DaliLoader(root, batch_size, size=size, train=train, device=device,  # type: ignore[return-value]
+                          drop_last=loader_kwargs.get("drop_last", False))
     if chosen == "nvjpeg":
         from fastfeed import transforms
         from fastfeed.vision.nvjpeg import EncodedImageFolder, NvjpegDecode, encoded_collate

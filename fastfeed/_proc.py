@@ -1,0 +1,26 @@
+"""Reading Linux's /proc: available memory and this process's RSS. None off Linux."""
+
+from __future__ import annotations
+
+__all__ = ["available_memory", "resident_memory"]
+
+
+def _read_kib(path: str, field: str) -> int | None:
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def available_memory() -> int | None:
+    """Bytes the kernel reports as available (``MemAvailable``)."""
+    return _read_kib("/proc/meminfo", "MemAvailable")
+
+
+def resident_memory() -> int | None:
+    """This process's resident set size in bytes."""
+    return _read_kib("/proc/self/status", "VmRSS")
