@@ -1,14 +1,21 @@
 #!/usr/bin/env bash
-# Everything that needs a GPU, in one call on the lent GPU machine:
-#   GPU-marked tests, the overhead benchmark (with H2D figures), the training-step benchmark.
+# Everything that needs a GPU, for the lent GPU machine:
+#   tests     the GPU-marked tests
+#   overhead  benchmarks/overhead.py (adds H2D from the ring against the pinned peak)
+#   train     benchmarks/train_step.py, ResNet-50 (bs 256, AMP, channels_last) and YOLO-like
+#   images    benchmarks/images.py: nvjpeg against the CPU path at 16 workers
+# With no arguments it runs all four (about 10 minutes on an H100); name stages to split the
+# work across device calls: bash benchmarks/gpu_suite.sh tests overhead
 # Logs and JSON go under $OUT when it is set (the device tool), else benchmarks/out/.
-# The GPU machine cannot download: it builds the extension with the pybind11 and setuptools
+# The GPU machine cannot download: the extension is built with the pybind11 and setuptools
 # already installed there (--no-build-isolation), against its own torch.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-benchmarks/out}"
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
+stages=("${@:-tests overhead train images}")
+stages=(${stages[*]})
 
 python3 -m pip install -q --no-build-isolation --no-deps -e . >"$out/install.log" 2>&1 \
     || echo "install failed (see install.log); running from the source tree" | tee -a "$out/install.log"
@@ -22,9 +29,21 @@ run() {  # run NAME CMD...: log to $out/NAME.log, keep going, remember failures
     tail -n 15 "$out/$name.log"
 }
 
-run info python3 -m fastfeed info
-run gpu_tests python3 -m pytest -m gpu -v -p no:cacheprovider tests
-run overhead python3 benchmarks/overhead.py --repeats 3 --json "$out/overhead.json"
-run train_resnet50 python3 benchmarks/train_step.py --model resnet50 --json "$out/train_resnet50.json"
-run train_yolo python3 benchmarks/train_step.py --model yolo-like --json "$out/train_yolo.json"
+python3 -m fastfeed info | tee "$out/info.txt"
+for stage in "${stages[@]}"; do
+    case $stage in
+        tests) run gpu_tests python3 -m pytest -m gpu -v -p no:cacheprovider tests ;;
+        overhead) run overhead python3 benchmarks/overhead.py --repeats 3 \
+                      --json "$out/overhead.json" ;;
+        train)
+            run train_resnet50 python3 benchmarks/train_step.py --model resnet50 \
+                --json "$out/train_resnet50.json"
+            run train_yolo python3 benchmarks/train_step.py --model yolo-like \
+                --json "$out/train_yolo.json" ;;
+        images) run images python3 benchmarks/images.py --workers 16 --repeats 3 \
+                    --batch-size 128 --configs fastfeed fastfeed-threads fastfeed-nvjpeg \
+                    --json "$out/images.json" ;;
+        *) echo "unknown stage $stage (tests, overhead, train, images)"; status=2 ;;
+    esac
+done
 exit $status

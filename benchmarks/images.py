@@ -9,6 +9,7 @@ Classification (224 px random-resized crop + flip) and detection (640 letterbox 
   gather into the ring), process workers.
 - ``fastfeed-pillow``: the same without the window decoder (Pillow ``draft`` only).
 - ``fastfeed-threads``: fastfeed with thread workers.
+- ``fastfeed-nvjpeg`` (on a GPU, classification only): workers read bytes, the GPU decodes.
 
 It also times the decoders alone on one core. Data is generated on first use (never
 committed) into ``--data``.
@@ -52,6 +53,10 @@ def ensure_data(root: Path, images: int, detection: int) -> tuple[Path, Path]:
 
 def loaders(name: str, folder: Path, yolo: Path, args: argparse.Namespace):
     common = {"batch_size": args.batch_size, "num_workers": args.workers, "shuffle": True}
+    if name == "fastfeed-nvjpeg":
+        from fastfeed.vision import image_loader
+
+        return image_loader(folder, backend="nvjpeg", device="cuda", **common), None
     if name == "stock":
         return (DataLoader(PlainPILFolder(ImageFolder(folder)), **common),
                 DataLoader(PlainPILYolo(YoloDataset(yolo)), **dict(common, batch_size=16)))
@@ -64,9 +69,13 @@ def loaders(name: str, folder: Path, yolo: Path, args: argparse.Namespace):
 
 
 def images_per_s(loader) -> float:
+    if loader is None:  # this configuration has no such pipeline
+        return float("nan")
     start, count = time.perf_counter(), 0
     for batch in loader:
         count += len(batch["img"] if isinstance(batch, dict) else batch[0])
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()  # GPU decoding is asynchronous
     return count / (time.perf_counter() - start)
 
 
@@ -108,7 +117,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--configs", nargs="+",
-                        default=["stock", "fastfeed", "fastfeed-pillow", "fastfeed-threads"])
+                        default=["stock", "fastfeed", "fastfeed-pillow", "fastfeed-threads"]
+                        + (["fastfeed-nvjpeg"] if torch.cuda.is_available() else []))
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     folder, yolo = ensure_data(args.data, args.images, args.detection_images)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterable
+from functools import partial
 from typing import Any
 
 import torch
@@ -17,6 +18,11 @@ from fastfeed.resume import EpochStart, LoaderState
 from fastfeed.telemetry import GpuSampler, LoaderStats, Telemetry
 
 __all__ = ["FastLoader"]
+
+
+def _summary(loader_ref: weakref.ref[FastLoader]) -> str:
+    loader = loader_ref()
+    return "" if loader is None else loader.stats().summary()
 
 
 def _is_int(value: Any, minimum: int) -> bool:
@@ -143,7 +149,9 @@ class FastLoader(DataLoader):
         self.worker_mode = worker_mode
         self.deterministic = deterministic
         self.log_every = log_every
-        self._telemetry = Telemetry(log_every, describe=lambda: self.stats().summary())
+        # A weak reference: a loader<->telemetry cycle would leave persistent workers to the
+        # garbage collector, which may run their shutdown in any thread.
+        self._telemetry = Telemetry(log_every, describe=partial(_summary, weakref.ref(self)))
         self._gpu_sampler: GpuSampler | None = None
         self._mode_rates: dict[str, float] = {}  # batches/s per worker mode, for "auto"
         self._copy_stream: Any = None  # one per loader, created on first use

@@ -166,10 +166,15 @@ def worker_loop(
     config: WorkerConfig,
     index_queue: Any,
     result_queue: Any,
-    done_event: Any,
+    shutting_down: Any,
     control: Connection | None,
 ) -> None:
-    """Run one worker until told to stop, or until the main process disappears."""
+    """Run one worker until told to stop, or until the main process disappears.
+
+    ``shutting_down.value`` turns true when the pool shuts down: queued tasks are then skipped.
+    It is a lock-free shared flag on purpose: a lock shared with workers can be left held by
+    one that is killed, and the main process would then hang on it while shutting down.
+    """
     kind = "thread" if config.thread else "process"
     where = f"in DataLoader worker {kind} {config.worker_id}"
     try:
@@ -202,7 +207,7 @@ def worker_loop(
                         init_error = ExceptionWrapper(where=where)
                 result_queue.put((task, None))
                 continue
-            if done_event.is_set() or iteration_end:
+            if shutting_down.value or iteration_end:
                 continue
             idx, index, slot_id = task
             result: Any
@@ -231,6 +236,6 @@ def worker_loop(
     finally:
         if control is not None:
             control.close()
-    if done_event.is_set() and not config.thread:
+    if shutting_down.value and not config.thread:
         result_queue.cancel_join_thread()
         result_queue.close()

@@ -7,6 +7,7 @@ iterator above it only dispatches tasks and orders results.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import queue
 import signal
@@ -68,7 +69,7 @@ class ProcessBackend:
     def __init__(self, ctx: Any) -> None:
         self._ctx = ctx
         self.result_queue = ctx.Queue()
-        self.done_event = ctx.Event()
+        self.shutting_down = ctx.RawValue(ctypes.c_bool, False)
 
     def start(self, config: WorkerConfig, ring: SlotRing | None) -> WorkerHandle:
         index_queue = self._ctx.Queue()
@@ -76,7 +77,7 @@ class ProcessBackend:
         control, worker_control = self._ctx.Pipe(duplex=True)
         process = self._ctx.Process(
             target=worker_loop,
-            args=(config, index_queue, self.result_queue, self.done_event, worker_control),
+            args=(config, index_queue, self.result_queue, self.shutting_down, worker_control),
             daemon=True,
         )
         handle = WorkerHandle(config.worker_id, process, index_queue, control)
@@ -101,7 +102,7 @@ class ProcessBackend:
 
     def shutdown(self, handles: list[WorkerHandle]) -> None:
         try:
-            self.done_event.set()
+            self.shutting_down.value = True
             for handle in handles:
                 if handle.runner.exitcode is None:
                     handle.index_queue.put(None)
@@ -121,6 +122,12 @@ class ProcessBackend:
             self.result_queue.close()
 
 
+class _Flag:
+    """The thread backend's shutdown flag: a plain attribute, like RawValue's ``value``."""
+
+    value = False
+
+
 class ThreadBackend:
     """Worker threads in this process: no IPC, no pickling; for GIL-releasing work."""
 
@@ -128,13 +135,13 @@ class ThreadBackend:
 
     def __init__(self) -> None:
         self.result_queue: queue.Queue = queue.Queue()
-        self.done_event = threading.Event()
+        self.shutting_down = _Flag()
 
     def start(self, config: WorkerConfig, ring: SlotRing | None) -> WorkerHandle:
         index_queue: queue.Queue = queue.Queue()
         thread = threading.Thread(
             target=worker_loop,
-            args=(config, index_queue, self.result_queue, self.done_event, None),
+            args=(config, index_queue, self.result_queue, self.shutting_down, None),
             name=f"fastfeed-worker-{config.worker_id}",
             daemon=True,
         )
@@ -145,7 +152,7 @@ class ThreadBackend:
         pass  # threads share the batch directly: no ring
 
     def shutdown(self, handles: list[WorkerHandle]) -> None:
-        self.done_event.set()
+        self.shutting_down.value = True
         for handle in handles:
             handle.index_queue.put(None)
         deadline = time.monotonic() + SHUTDOWN_GRACE

@@ -11,6 +11,7 @@ that are views of that slot. With ``num_workers="auto"`` the pool also grows and
 from __future__ import annotations
 
 import atexit
+import threading
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -68,6 +69,7 @@ class WorkerPoolIterator(BaseIterator):
         self._in_order = loader.in_order
         self._loader_ref = weakref.ref(loader)
         self._shutdown = False
+        self._shutdown_lock = threading.Lock()
         self._epoch = 0
         self._workers: list[WorkerHandle] = []
         self._retired: set[int] = set()  # retired by the tuner; their ids are never reused
@@ -398,7 +400,9 @@ class WorkerPoolIterator(BaseIterator):
         self._workers_status[worker_id] = False
 
     def _shutdown_workers(self) -> None:
-        if self._shutdown or _python_exiting:
+        # Once, from whichever thread gets here first: __del__ can run in any thread that
+        # happens to trigger garbage collection.
+        if _python_exiting or not self._shutdown_lock.acquire(blocking=False):
             return
         self._shutdown = True
         try:
@@ -411,5 +415,5 @@ class WorkerPoolIterator(BaseIterator):
                 self._ring.close()
 
     def __del__(self) -> None:
-        if hasattr(self, "_backend"):
+        if hasattr(self, "_shutdown_lock"):
             self._shutdown_workers()
