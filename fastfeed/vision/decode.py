@@ -114,7 +114,7 @@ def _pillow_resized_crop(data: bytes, choose_box: Callable[[int, int], Box],
             # Ask for the largest DCT reduction that keeps the *window* at least ``size``.
             image.draft("RGB", (max(1, width * size[0] // w), max(1, height * size[1] // h)))
         scale_x, scale_y = image.size[0] / width, image.size[1] / height
-        rgb = np.asarray(image.convert("RGB"))
+        rgb = np.array(image.convert("RGB"))  # writable: torch.from_numpy warns otherwise
     left, top = int(x * scale_x), int(y * scale_y)
     right = max(left + 1, round((x + w) * scale_x))
     bottom = max(top + 1, round((y + h) * scale_y))
