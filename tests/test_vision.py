@@ -51,11 +51,12 @@ def jpeg_bytes(width=500, height=375, seed=0, quality=90):
 
 
 def reference_crop(data, box, size):
-    """Pillow, full decode (no draft), crop and resize: the ground truth."""
+    """Pillow, full decode (no draft), crop and resize: the ground truth, as CHW."""
     x, y, w, h = box
     with Image.open(io.BytesIO(data)) as image:
-        return np.asarray(image.convert("RGB").resize(size, Image.Resampling.BILINEAR,
-                                                      box=(x, y, x + w, y + h)))
+        hwc = np.asarray(image.convert("RGB").resize(size, Image.Resampling.BILINEAR,
+                                                     box=(x, y, x + w, y + h)))
+    return hwc.transpose(2, 0, 1)
 
 
 @pytest.mark.parametrize("box", [(0, 0, 500, 375), (37, 21, 300, 250), (100, 50, 120, 90),
@@ -65,9 +66,9 @@ def test_window_decode_matches_full_decode(box, use_roi):
     data = jpeg_bytes()
     got = decode_resized_crop(data, lambda w, h: box, (112, 112), use_roi=use_roi)
     want = reference_crop(data, box, (112, 112))
-    assert got.shape == (112, 112, 3) and got.dtype == np.uint8
+    assert got.shape == (3, 112, 112) and got.dtype == torch.uint8 and got.is_contiguous()
     # DCT-domain downscaling and iMCU-rounded windows differ from Pillow by a few levels.
-    assert np.abs(got.astype(int) - want.astype(int)).mean() < 4.0
+    assert np.abs(got.numpy().astype(int) - want.astype(int)).mean() < 4.0
 
 
 def test_roi_decoder_is_built_here():
@@ -80,7 +81,9 @@ def test_image_size_and_non_jpeg():
     png = io.BytesIO()
     Image.new("RGB", (40, 30), (10, 20, 30)).save(png, "PNG")
     out = decode_resized_crop(png.getvalue(), lambda w, h: (0, 0, w, h), (8, 6))
-    assert out.shape == (6, 8, 3) and (out == [10, 20, 30]).all()
+    assert out.shape == (3, 6, 8)
+    assert torch.equal(out, torch.tensor([10, 20, 30], dtype=torch.uint8).view(3, 1, 1)
+                       .expand(3, 6, 8))
 
 
 @pytest.mark.parametrize("use_roi", [True, False])
@@ -101,7 +104,7 @@ def test_imagefolder_layout(folder):
     assert len(dataset) == 25 and dataset.targets.count(2) == 9
     assert dataset.samples[-1][0].endswith(os.path.join("nested", "deep.JPG"))
     image, target = dataset[0]
-    assert image.shape == (32, 32, 3) and image.dtype == np.uint8 and target == 0
+    assert image.shape == (3, 32, 32) and image.dtype == torch.uint8 and target == 0
     with pytest.raises(FileNotFoundError, match="class folder"):
         ImageFolder(folder / "class_000")
 
@@ -126,8 +129,8 @@ def test_backends_agree_without_augmentation(folder):
     roi = ImageFolder(folder, size=64, train=False)
     pillow = ImageFolder(folder, size=64, train=False, roi_decode=False)
     for i in range(0, len(roi), 5):
-        a, b = roi[i][0].astype(int), pillow[i][0].astype(int)
-        assert np.abs(a - b).mean() < 4.0, i
+        a, b = roi[i][0].int(), pillow[i][0].int()
+        assert (a - b).abs().float().mean() < 4.0, i
 
 
 def test_skip_corrupt_images_counts_them(folder, tmp_path):
@@ -179,11 +182,11 @@ def test_yolo_items_and_flip(yolo):
     flipped = YoloDataset(yolo, imgsz=96, train=True, flip_p=1.0)
     labelled = next(i for i in range(len(plain)) if len(plain[i]["cls"]))
     a, b = plain[labelled], flipped[labelled]
-    assert a["img"].shape == (96, 96, 3) and a["bboxes"].shape == (len(a["cls"]), 4)
-    np.testing.assert_array_equal(b["img"], a["img"][:, ::-1])
+    assert a["img"].shape == (3, 96, 96) and a["bboxes"].shape == (len(a["cls"]), 4)
+    assert torch.equal(b["img"], a["img"].flip(-1))
     np.testing.assert_allclose(b["bboxes"][:, 0], 1 - a["bboxes"][:, 0], atol=1e-6)
     np.testing.assert_allclose(b["bboxes"][:, 1:], a["bboxes"][:, 1:])
-    assert (a["img"][0, 0] == 114).all() or (a["img"][-1, -1] == 114).all() or True
+    assert (a["img"][:, 0, 0] == 114).all() or (a["img"][:, -1, -1] == 114).all()
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
@@ -223,3 +226,14 @@ def test_nvjpeg_backend_agrees_with_cpu(folder):
     for (a, ta), (b, tb) in zip(gpu, cpu, strict=True):
         assert a.is_cuda and a.shape == b.shape and torch.equal(ta.cpu(), tb)
         assert (a.cpu().int() - b.int()).abs().float().mean() < 6.0
+
+
+def test_image_collate_takes_chw_tensors_and_hwc_arrays():
+    rng = np.random.default_rng(0)
+    hwc = [rng.integers(0, 255, (5, 7, 3), dtype=np.uint8) for _ in range(4)]
+    chw = [torch.from_numpy(a).permute(2, 0, 1).contiguous() for a in hwc]
+    targets = [3, 1, 4, 1]
+    from_arrays = ImageCollate()(list(zip(hwc, targets, strict=True)))
+    from_tensors = ImageCollate()(list(zip(chw, targets, strict=True)))
+    assert_same(from_arrays, from_tensors)
+    assert torch.equal(from_tensors[0], torch.stack(chw))

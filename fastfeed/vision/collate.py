@@ -1,9 +1,11 @@
-"""Collates for the image datasets: HWC images become an NCHW uint8 batch in one pass.
+"""Collates for image datasets: the images of a batch become one NCHW uint8 tensor.
 
-Both are *slot-aware*: in a FastLoader worker, ``collate_into(samples, empty)`` gets an
-allocator that returns memory in the ring slot, and the C++ gather transposes HWC to CHW while
-copying into it. Called plainly (``collate(samples)``), for example by torch's DataLoader, they
-allocate ordinary tensors and give the same result.
+Images may be CHW tensors (fastfeed's datasets) or HWC numpy arrays (OpenCV-style datasets);
+the C++ gather copies them, transposing HWC to CHW in the same pass. Both collates are
+*slot-aware*: in a FastLoader worker, ``collate_into(samples, empty)`` gets an allocator that
+returns memory in the ring slot, so the batch is written there directly. Called plainly
+(``collate(samples)``), for example by torch's DataLoader, they allocate ordinary tensors and
+give the same result.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fastfeed._copy import stack_hwc_to_chw
+from fastfeed._copy import stack_hwc_to_chw, stack_into
 
 __all__ = ["ImageCollate", "YoloCollate"]
 
@@ -25,17 +27,22 @@ def _torch_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype)
 
 
-def _images_nchw(images: Sequence[np.ndarray], empty: Empty) -> torch.Tensor:
+def _images_nchw(images: Sequence[np.ndarray | torch.Tensor], empty: Empty) -> torch.Tensor:
     if not images:
         raise ValueError("cannot collate an empty batch")
-    h, w, c = images[0].shape
-    out = empty((len(images), c, h, w), torch.uint8)
-    stack_hwc_to_chw(out, images)
+    if isinstance(images[0], np.ndarray):  # HWC
+        h, w, c = images[0].shape
+        out = empty((len(images), c, h, w), torch.uint8)
+        stack_hwc_to_chw(out, images)
+    else:  # CHW tensors
+        out = empty((len(images), *images[0].shape), images[0].dtype)
+        stack_into(out, images)  # type: ignore[arg-type]
     return out
 
 
 class ImageCollate:
-    """``[(HWC image, target), ...]`` -> ``(uint8 N×C×H×W, int64 targets)``."""
+    """``[(image, target), ...]`` -> ``(uint8 N×C×H×W, int64 targets)``; images CHW tensors
+    or HWC numpy arrays."""
 
     def collate_into(self, samples: list[Any], empty: Empty) -> tuple[torch.Tensor, torch.Tensor]:
         images = _images_nchw([image for image, _ in samples], empty)

@@ -6,7 +6,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from torch.utils.data import Dataset
 
 from fastfeed.skip import SKIP
@@ -36,11 +35,11 @@ class ImageFolder(Dataset):
     """Images in ``root/<class>/**/<file>``, as torchvision's ``ImageFolder``, without it.
 
     Classes, ``class_to_idx``, ``samples`` and ``targets`` match torchvision's. Each item is
-    ``(image, target)`` with ``image`` a uint8 ``size × size × 3`` (HWC, RGB) array: a
+    ``(image, target)`` with ``image`` a uint8 ``3 × size × size`` (CHW, RGB) tensor: a
     random-resized crop (scale 0.08–1, ratio 3/4–4/3) and a horizontal flip when ``train``,
     else the central crop of ``crop_fraction`` of the short side. Only the crop window is
-    decoded (see :mod:`fastfeed.vision.decode`). Collate with :class:`ImageCollate` to get a
-    uint8 ``N × 3 × size × size`` batch written straight into the ring.
+    decoded (see :mod:`fastfeed.vision.decode`). Collate with :class:`ImageCollate` (or
+    ``default_collate``) to get a uint8 ``N × 3 × size × size`` batch.
 
     Args:
         root: the dataset folder.
@@ -94,5 +93,5 @@ class ImageFolder(Dataset):
                 return SKIP
             raise
         if self.train and random_flip():
-            image = np.ascontiguousarray(image[:, ::-1])
+            image = image.flip(-1)
         return image, target

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 from torch.utils.data import Dataset
 
 from fastfeed.skip import SKIP
@@ -58,7 +59,7 @@ def letterbox_boxes(boxes: np.ndarray, width: int, height: int, size: int) -> np
 class YoloDataset(Dataset):
     """A YOLO-format detection set: ``root/images/*`` with ``root/labels/<stem>.txt``.
 
-    Each item is a dict: ``img`` (uint8 ``imgsz × imgsz × 3``, letterboxed with grey 114),
+    Each item is a dict: ``img`` (uint8 ``3 × imgsz × imgsz``, letterboxed with grey 114),
     ``cls`` (n, 1) and ``bboxes`` (n, 4) normalised ``cx cy w h`` in the letterboxed image,
     ``im_file`` and ``ori_shape`` (h, w). With ``train``, images and boxes flip left-right
     with probability ``flip_p``. Collate with :class:`YoloCollate` for Ultralytics' batch.
@@ -109,11 +110,11 @@ class YoloDataset(Dataset):
             if self.on_error == "skip":
                 return SKIP
             raise
-        image = np.full((size, size, 3), PAD_VALUE, dtype=np.uint8)
-        image[top:top + new_h, left:left + new_w] = resized
+        image = torch.full((3, size, size), PAD_VALUE, dtype=torch.uint8)
+        image[:, top:top + new_h, left:left + new_w] = resized
         boxes = letterbox_boxes(labels[:, 1:], width, height, size)
         if self.train and random_flip(self.flip_p):
-            image = np.ascontiguousarray(image[:, ::-1])
+            image = image.flip(-1)
             boxes[:, 0] = 1.0 - boxes[:, 0]
         return {"img": image, "cls": labels[:, :1].copy(), "bboxes": boxes, "im_file": path,
                 "ori_shape": (height, width)}
