@@ -29,29 +29,14 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fastfeed import FastLoader
 from fastfeed import transforms as T
+from fastfeed.bench.data import SyntheticImages
 from fastfeed.bench.models import build_model
 from fastfeed.progress import progress
-
-
-class UInt8Images(Dataset):
-    """Pre-made uint8 images and labels: the loader, not decoding, is what is measured."""
-
-    def __init__(self, size: int, classes: int = 1000, length: int = 1_000_000) -> None:
-        g = torch.Generator().manual_seed(0)
-        self.images = [torch.randint(0, 256, (3, size, size), generator=g, dtype=torch.uint8)
-                       for _ in range(16)]
-        self.classes, self.length = classes, length
-
-    def __len__(self) -> int:
-        return self.length
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
-        return self.images[i % 16], i % self.classes
 
 
 def run_case(case: str, args: argparse.Namespace, device: torch.device) -> dict:
@@ -59,7 +44,7 @@ def run_case(case: str, args: argparse.Namespace, device: torch.device) -> dict:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     normalize = T.Compose([T.Normalize(key=0), T.ChannelsLast(key=0)])
     amp = device.type == "cuda"
-    dataset = UInt8Images(args.size, args.classes)
+    dataset = SyntheticImages(args.size, args.classes, length=1_000_000)
 
     if case == "synthetic":
         images, labels = next(iter(DataLoader(dataset, batch_size=args.batch_size)))

@@ -55,7 +55,7 @@ class _SlotPickler(ForkingPickler):
     def persistent_id(self, obj: Any) -> Any:
         if _slot_eligible_tensor(obj):
             return self._tensor_id(obj)
-        if type(obj) is np.ndarray and obj.dtype.hasobject is False:
+        if type(obj) is np.ndarray and not obj.dtype.hasobject:
             return self._array_id(obj)
         return None
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
-import os
 import platform
 import shutil
 
@@ -14,6 +13,7 @@ import torch
 
 import fastfeed
 from fastfeed._copy import extension_loaded
+from fastfeed.autotune import available_cpus
 from fastfeed.nvml import nvml_status
 from fastfeed.ring import ring_supported
 from fastfeed.vision.decode import roi_decoder_available
@@ -28,13 +28,6 @@ def pillow_is_simd() -> bool:
         return True
     except importlib.metadata.PackageNotFoundError:
         return ".post" in PIL.__version__
-
-
-def _cpu_count() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 def _shm() -> str:
@@ -74,7 +67,7 @@ def collect() -> dict[str, str]:
         if nvml.available
         else f"unavailable ({nvml.reason})",
         "DALI": "installed" if dali else "not installed (pip install 'fastfeed[dali]')",
-        "CPUs (affinity)": str(_cpu_count()),
+        "CPUs (affinity)": str(available_cpus()),
         "/dev/shm": _shm(),
     }
 

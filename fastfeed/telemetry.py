@@ -169,6 +169,8 @@ def batch_length(batch: Any, auto_collation: bool) -> int:
 class Telemetry:
     """Accumulates a loader's counters, across epochs, until :meth:`reset`.
 
+    Only the iterating thread records (workers' timings arrive with their batches), so no lock.
+
     ``describe`` renders the one-line summary logged every ``log_every`` batches.
     """
 
@@ -191,16 +193,13 @@ class Telemetry:
         self.worker_busy_s = 0.0
         self.skipped = 0
         self.decisions: list[str] = []
-        self._lock = threading.Lock()
 
     def add_stage(self, stage: str, seconds: float) -> None:
-        with self._lock:
-            self.stage_s[stage] += seconds
-            self.stage_batches[stage] += 1
+        self.stage_s[stage] += seconds
+        self.stage_batches[stage] += 1
 
     def add_worker_busy(self, seconds: float) -> None:
-        with self._lock:
-            self.worker_busy_s += seconds
+        self.worker_busy_s += seconds
 
     def delivered(self, requested_at: float, batch_size: int) -> None:
         now = time.perf_counter()

@@ -24,6 +24,18 @@ def child_pids(pid: int | None = None) -> set[int]:
     return children
 
 
+def rss_kb(pid: int | str = "self") -> int:
+    """Resident set size of ``pid`` in KiB (0 if it is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
 def alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:

@@ -6,7 +6,7 @@ import time
 
 import pytest
 from datasets import SlowDataset, TensorDataset
-from procs import assert_no_leaks, child_pids, snapshot
+from procs import assert_no_leaks, child_pids, rss_kb, snapshot
 
 from fastfeed import FastLoader
 
@@ -50,14 +50,6 @@ def test_thousand_abandoned_iterators():
     assert elapsed < 600
 
 
-def _rss_kb(pid):
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    return 0
-
-
 def test_rss_is_flat_over_thirty_persistent_epochs():
     loader = FastLoader(TensorDataset(n=256, shape=(3, 64, 64)), batch_size=16, num_workers=2,
                         persistent_workers=True, shuffle=True)
@@ -66,8 +58,7 @@ def test_rss_is_flat_over_thirty_persistent_epochs():
         for batch in loader:
             batch[0].float().mean()  # touch the data, as training would
         del batch
-        processes = [None, *child_pids()]
-        readings.append(sum(_rss_kb(p or "self") for p in processes))
+        readings.append(rss_kb() + sum(rss_kb(pid) for pid in child_pids()))
     warm = readings[4]
     assert max(readings[5:]) <= warm * 1.10, readings
 

@@ -32,19 +32,20 @@ class BenchError(Exception):
 
 
 class SyntheticImages(Dataset):
-    """Fixed-size uint8 3×224×224 tensors (16 pre-made, cycled) and labels."""
+    """Fixed-size uint8 3×size×size tensors (16 pre-made, cycled) and labels: cheap to index,
+    so that the loader, not decoding, is what is measured."""
 
-    def __init__(self, length: int = 100_000) -> None:
+    def __init__(self, size: int = 224, classes: int = 1000, length: int = 100_000) -> None:
         g = torch.Generator().manual_seed(0)
-        self.images = [torch.randint(0, 256, (3, 224, 224), generator=g, dtype=torch.uint8)
+        self.images = [torch.randint(0, 256, (3, size, size), generator=g, dtype=torch.uint8)
                        for _ in range(16)]
-        self.length = length
+        self.classes, self.length = classes, length
 
     def __len__(self) -> int:
         return self.length
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
-        return self.images[i % 16], i % 1000
+        return self.images[i % 16], i % self.classes
 
 
 class PlainPILFolder(Dataset):

@@ -24,30 +24,24 @@ def rows(results: list[dict[str, Any]]) -> list[list[str]]:
     return out
 
 
-def write_table(results: list[dict[str, Any]], title: str) -> str:
-    """Print the table; return it as plain text too."""
+def write_table(results: list[dict[str, Any]], title: str) -> None:
+    """Print the table: with rich if it is installed, else as aligned plain text."""
     body = rows(results)
     try:
         from rich.console import Console
         from rich.table import Table
-
-        table = Table(title=title)
-        for column in COLUMNS:
-            table.add_column(column, justify="left" if column == "config" else "right")
-        for row in body:
-            table.add_row(*row)
-        Console().print(table)
     except ImportError:
-        pass
-    widths = [max(len(c), *(len(r[i]) for r in body)) for i, c in enumerate(COLUMNS)]
-    lines = [title, "  ".join(c.ljust(w) for c, w in zip(COLUMNS, widths, strict=True))]
-    lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)) for r in body]
-    text = "\n".join(lines)
-    try:
-        import rich  # noqa: F401 - already printed above
-    except ImportError:
-        print(text)
-    return text
+        widths = [max(len(c), *(len(r[i]) for r in body)) for i, c in enumerate(COLUMNS)]
+        print(title)
+        for line in [COLUMNS, *body]:
+            print("  ".join(v.ljust(w) for v, w in zip(line, widths, strict=True)))
+        return
+    table = Table(title=title)
+    for column in COLUMNS:
+        table.add_column(column, justify="left" if column == "config" else "right")
+    for row in body:
+        table.add_row(*row)
+    Console().print(table)
 
 
 def write_json(results: list[dict[str, Any]], meta: dict[str, Any], path: Path) -> None:

@@ -55,8 +55,11 @@ def _build(job: Job, source: Source) -> Any:
 
 
 def _images(batch: Any) -> torch.Tensor:
-    return batch["img"] if isinstance(batch, dict) else batch[0] if isinstance(
-        batch, (list, tuple)) else batch
+    if isinstance(batch, dict):
+        return batch["img"]
+    if isinstance(batch, (list, tuple)):
+        return batch[0]
+    return batch
 
 
 def measure(job: Job) -> dict[str, float]:

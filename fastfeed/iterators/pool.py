@@ -11,6 +11,7 @@ that are views of that slot. With ``num_workers="auto"`` the pool also grows and
 from __future__ import annotations
 
 import atexit
+import queue
 import threading
 import time
 import weakref
@@ -235,9 +236,8 @@ class WorkerPoolIterator(BaseIterator):
                 wait = max(0.0, min(wait, deadline - time.monotonic()))
             try:
                 return self._backend.result_queue.get(timeout=wait)
-            except Exception as error:  # queue.Empty, from either kind of queue
-                if type(error).__name__ != "Empty":
-                    raise
+            except queue.Empty:
+                pass
             self._check_workers()
             if deadline is not None and time.monotonic() >= deadline:
                 raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds")
