@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import ctypes
 import gc
+import multiprocessing
 import os
 import time
+
+# The worker pool's shutdown flag is a RawValue from multiprocessing's shared heap, whose arena
+# (one /dev/shm file, unlinked, held open) is created on first use and then reused for the
+# life of the process. Create it now, so that a leak check is not tripped by that one-time
+# allocation when a test runs on its own.
+_HEAP_ARENA = multiprocessing.RawValue(ctypes.c_bool, False)
 
 
 def child_pids(pid: int | None = None) -> set[int]:
