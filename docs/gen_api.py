@@ -23,7 +23,7 @@ SECTIONS = [
         "Compose", "Normalize", "ChannelsLast", "RandomHorizontalFlip", "RandomErasing",
         "BatchTransform")]),
     ("fastfeed.vision", [getattr(vision, n) for n in (
-        "image_loader", "ImageFolder", "YoloDataset", "ImageCollate", "YoloCollate",
+        "accelerate", "batch_tail", "image_loader", "ImageFolder", "YoloDataset", "ImageCollate", "YoloCollate",
         "DecodeError", "decode_resized_crop", "parse_labels", "roi_decoder_available")]),
 ]
 METHODS = {fastfeed.FastLoader: ["state_dict", "load_state_dict", "stats"],

@@ -9,7 +9,11 @@ RSS (main process plus its largest worker). Writes ``bench.json`` and, with matp
 Configurations: ``stock`` (torch's DataLoader; for image folders, over a plain Pillow dataset),
 ``fastfeed`` (FastLoader with the same arguments; for image folders, the ``cpu`` image
 backend), ``fastfeed+device`` (with ``--device``: device prefetch and a GPU-side Normalize) and
-``dali`` (image folders, when NVIDIA DALI is installed).
+``dali`` (image folders, when NVIDIA DALI is installed). With torchvision installed, image
+folders also run the user's view: ``torchvision`` (torch's DataLoader over torchvision's
+``ImageFolder`` with the classic RandomResizedCrop/flip/ToTensor/Normalize transforms),
+``torchvision+swap`` (FastLoader, same arguments) and ``torchvision+accelerate`` (FastLoader
+over :func:`fastfeed.vision.accelerate` of that dataset), each compared with ``torchvision``.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fastfeed.bench.data import BenchError, resolve
+from fastfeed.bench.data import TORCHVISION_CONFIGS, BenchError, resolve, torchvision_available
 from fastfeed.bench.report import write_chart, write_json, write_table
 from fastfeed.bench.run import Job, run_in_child
 from fastfeed.progress import progress
@@ -74,6 +78,8 @@ def run(args: argparse.Namespace) -> int:
     configs = ["stock", "fastfeed"] + (["fastfeed+device"] if args.device else [])
     if source.kind == "classify" and dali_available():
         configs.append("dali")
+    if source.kind == "classify" and torchvision_available():
+        configs += TORCHVISION_CONFIGS
     plan = [(c, w) for w in workers for c in configs]
     jobs = [(r, c, w) for r in range(args.repeats)
             for c, w in (plan if r % 2 == 0 else plan[::-1])]

@@ -22,7 +22,10 @@ from fastfeed.vision import ImageCollate, ImageFolder, YoloCollate, YoloDataset
 from fastfeed.vision.augment import letterbox_geometry, random_flip, random_resized_crop_box
 from fastfeed.vision.folder import IMG_EXTENSIONS
 
-__all__ = ["BenchError", "Source", "resolve"]
+__all__ = [
+    "TORCHVISION_CONFIGS", "BenchError", "Source", "baseline", "classic_imagefolder", "resolve",
+    "torchvision_available",
+]
 
 CACHE = Path(os.environ.get("FASTFEED_CACHE", Path.home() / ".cache" / "fastfeed"))
 
@@ -87,6 +90,39 @@ class PlainPILYolo(Dataset):
         return torch.from_numpy(np.asarray(canvas)).permute(2, 0, 1).contiguous()
 
 
+def torchvision_available() -> bool:
+    """Whether torchvision imports against the installed torch."""
+    try:
+        import torchvision  # noqa: F401
+    except Exception:  # an ImportError, or a RuntimeError from a mismatched build
+        return False
+    return True
+
+
+def classic_imagefolder(root: Path, accelerated: bool = False) -> Dataset:
+    """What a torchvision ImageNet script trains on: ``ImageFolder`` with the classic
+    transforms (RandomResizedCrop 224, flip, ToTensor, Normalize), optionally passed through
+    :func:`fastfeed.vision.accelerate`."""
+    from torchvision import datasets
+    from torchvision import transforms as T
+
+    from fastfeed.vision.accelerate import accelerate
+
+    classic = T.Compose([T.RandomResizedCrop(224), T.RandomHorizontalFlip(), T.ToTensor(),
+                         T.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])])
+    dataset = datasets.ImageFolder(str(root), transform=classic)
+    return accelerate(dataset) if accelerated else dataset
+
+
+# The configurations over a user's own torchvision pipeline, each compared with the first.
+TORCHVISION_CONFIGS = ("torchvision", "torchvision+swap", "torchvision+accelerate")
+
+
+def baseline(config: str) -> str:
+    """The stock configuration a configuration's speedup is measured against."""
+    return "torchvision" if config.startswith("torchvision") else "stock"
+
+
 @dataclass
 class Source:
     """What a configuration loads: ``datasets(config) -> (dataset, collate_fn or None)``."""
@@ -100,6 +136,8 @@ class Source:
         if self.kind == "tensors":
             return self.factory(), None
         assert self.root is not None
+        if config.startswith("torchvision"):
+            return classic_imagefolder(self.root, config == "torchvision+accelerate"), None
         if self.kind == "classify":
             if config == "stock":
                 return PlainPILFolder(ImageFolder(self.root)), None

@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from fastfeed.bench.data import baseline
+
 __all__ = ["write_chart", "write_json", "write_table"]
 
 COLUMNS = ["config", "workers", "samples/s", "vs stock", "stall %", "first batch s",
@@ -13,10 +15,13 @@ COLUMNS = ["config", "workers", "samples/s", "vs stock", "stall %", "first batch
 
 
 def rows(results: list[dict[str, Any]]) -> list[list[str]]:
-    stock = {r["workers"]: r["samples_per_s"] for r in results if r["config"] == "stock"}
+    stock = {(r["config"], r["workers"]): r["samples_per_s"] for r in results
+             if r["config"] == baseline(r["config"])}
     out = []
     for r in results:
-        base = stock.get(r["workers"]) or next(iter(stock.values()), None)
+        family = baseline(r["config"])
+        base = stock.get((family, r["workers"])) or next(
+            (v for (c, _), v in stock.items() if c == family), None)
         ratio = f"{r['samples_per_s'] / base:.2f}×" if base else "n/a"
         out.append([r["config"], str(r["workers"]), f"{r['samples_per_s']:,.0f}", ratio,
                     f"{r['stall_pct']:.1f}", f"{r['first_batch_s']:.2f}",
@@ -58,7 +63,7 @@ def write_chart(results: list[dict[str, Any]], title: str, path: Path) -> bool:
     except ImportError:
         return False
     labels = [f"{r['config']}\n{r['workers']} workers" for r in results]
-    colors = ["#9e9e9e" if r["config"] == "stock" else "#1f77b4" for r in results]
+    colors = ["#9e9e9e" if r["config"] == baseline(r["config"]) else "#1f77b4" for r in results]
     width = max(8.0, 1.6 * len(results))
     fig, (speed, stall) = plt.subplots(1, 2, figsize=(width, 4.2))
     bars = speed.bar(labels, [r["samples_per_s"] for r in results], color=colors)

@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from fastfeed import transforms as T
-from fastfeed.bench.data import Source, resolve
+from fastfeed.bench.data import Source, baseline, resolve
 from fastfeed.loader import FastLoader
 from fastfeed.tree import map_tensors
 
@@ -25,7 +25,7 @@ __all__ = ["Job", "measure", "run_in_child"]
 class Job:
     data: str
     images: int
-    config: str  # "stock", "fastfeed", "fastfeed+device", "dali"
+    config: str  # "stock", "fastfeed", "fastfeed+device", "dali", or TORCHVISION_CONFIGS
     workers: str  # an int as text, or "auto"
     batch_size: int
     batches: int
@@ -44,7 +44,7 @@ def _build(job: Job, source: Source) -> Any:
     workers: int | str = job.workers if job.workers == "auto" else int(job.workers)
     kwargs: dict[str, Any] = {"batch_size": job.batch_size, "shuffle": True,
                               "collate_fn": collate}
-    if job.config == "stock":
+    if job.config == baseline(job.config):
         stock_workers = workers if isinstance(workers, int) else 2
         return DataLoader(dataset, num_workers=stock_workers,
                           pin_memory=job.device == "cuda", **kwargs)
@@ -83,7 +83,7 @@ def measure(job: Job) -> dict[str, float]:
         except StopIteration:
             iterator = iter(loader)
             batch = next(iterator)
-        if device is not None and job.config == "stock":
+        if device is not None and job.config == baseline(job.config):
             batch = normalize(map_tensors(lambda t: t.to(device, non_blocking=True), batch))
         waited += time.perf_counter() - before
         if first is None:

@@ -1,4 +1,5 @@
-"""Image pipelines: ImageFolder and YOLO datasets, window decoding, and ``image_loader``.
+"""Image pipelines: ``accelerate`` for torchvision datasets, ImageFolder and YOLO datasets,
+window decoding, and ``image_loader``.
 
 Example:
     >>> from fastfeed.vision import image_loader
@@ -7,6 +8,7 @@ Example:
     ...     ...
 """
 
+from fastfeed.vision.accelerate import accelerate, batch_tail
 from fastfeed.vision.collate import ImageCollate, YoloCollate
 from fastfeed.vision.decode import DecodeError, decode_resized_crop, roi_decoder_available
 from fastfeed.vision.folder import ImageFolder
@@ -19,6 +21,8 @@ __all__ = [
     "ImageFolder",
     "YoloCollate",
     "YoloDataset",
+    "accelerate",
+    "batch_tail",
     "decode_resized_crop",
     "image_loader",
     "parse_labels",

@@ -1,0 +1,120 @@
+"""A user's own torchvision training pipeline under the stock DataLoader and fastfeed.
+
+The dataset is torchvision's ``ImageFolder`` with the classic ImageNet train transforms
+(RandomResizedCrop(224), RandomHorizontalFlip, ToTensor, Normalize), batch 64, shuffled,
+persistent workers: what ``examples/train_resnet.py``-style scripts use. Configurations:
+
+- ``stock``: ``torch.utils.data.DataLoader``.
+- ``swap``: ``FastLoader`` with the same arguments (the one-import change).
+- ``accelerate``: ``FastLoader`` over ``fastfeed.vision.accelerate(dataset)``.
+- ``accelerate-threads``: the same with ``worker_mode="thread"``.
+
+Each run is a fresh process that builds the loader, runs one warm-up epoch, then times
+``--epochs`` epochs; configurations alternate order from repeat to repeat; the table gives the
+median images/s over every timed epoch of every repeat, and the ratio to ``stock``.
+Needs torchvision. The data (``--images`` ImageNet-like JPEGs, about 500×375, q90, 18 KB each)
+is generated on first use and never committed.
+
+    python benchmarks/torchvision_pipeline.py --json benchmarks/out/torchvision.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+CONFIGS = ("stock", "swap", "accelerate", "accelerate-threads")
+
+
+def epochs_per_s(config: str, root: Path, workers: int, batch_size: int, epochs: int
+                 ) -> list[float]:
+    """Images/s of each timed epoch of one configuration (run in this process)."""
+    from torch.utils.data import DataLoader
+
+    from fastfeed import FastLoader
+    from fastfeed.bench.data import classic_imagefolder
+
+    dataset = classic_imagefolder(root, accelerated=config.startswith("accelerate"))
+    kwargs = {"batch_size": batch_size, "shuffle": True, "num_workers": workers,
+              "persistent_workers": True}
+    if config == "stock":
+        loader = DataLoader(dataset, **kwargs)
+    else:
+        mode = "thread" if config.endswith("threads") else "process"
+        loader = FastLoader(dataset, worker_mode=mode, **kwargs)
+    rates = []
+    for epoch in range(epochs + 1):
+        start, images = time.perf_counter(), 0
+        for batch, _ in loader:
+            images += len(batch)
+        if epoch:  # the first epoch starts the workers: a warm-up
+            rates.append(images / (time.perf_counter() - start))
+    return rates
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", type=Path, default=None,
+                        help="an ImageFolder (default: generate --images into the cache)")
+    parser.add_argument("--images", type=int, default=2000)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--epochs", type=int, default=2, help="timed epochs per run")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # a child process: one configuration
+    args = parser.parse_args()
+
+    if args.one:
+        print(json.dumps(epochs_per_s(args.one, args.data, args.workers, args.batch_size,
+                                      args.epochs)))
+        return
+
+    from fastfeed.bench.data import CACHE
+    from fastfeed.progress import progress
+    from fastfeed.vision.synthetic import make_imagefolder
+
+    root = args.data
+    if root is None:
+        root = CACHE / f"imagenet-like-{args.images}"
+        if not root.exists():
+            make_imagefolder(root, args.images, classes=50)
+    configs = args.configs.split(",")
+    jobs = [c for r in range(args.repeats) for c in (configs if r % 2 == 0 else configs[::-1])]
+    rates: dict[str, list[float]] = {c: [] for c in configs}
+    for config in progress(jobs, total=len(jobs), desc="torchvision pipeline"):
+        out = subprocess.run(
+            [sys.executable, __file__, "--one", config, "--data", str(root),
+             "--workers", str(args.workers), "--batch-size", str(args.batch_size),
+             "--epochs", str(args.epochs)], capture_output=True, text=True, check=False)
+        if out.returncode:
+            sys.exit(f"{config} failed:\n{out.stderr}")
+        rates[config] += json.loads(out.stdout.strip().splitlines()[-1])
+
+    medians = {c: statistics.median(r) for c, r in rates.items()}
+    base = medians.get("stock")
+    title = (f"torchvision ImageFolder + classic transforms, {root.name}: batch "
+             f"{args.batch_size}, {args.workers} workers, median of {args.repeats} runs × "
+             f"{args.epochs} epochs")
+    print(title)
+    print("| loader | images/s | vs stock |\n|---|---|---|")
+    for config, value in medians.items():
+        ratio = f"**{value / base:.2f}×**" if base else "n/a"
+        print(f"| {config} | {value:,.0f} | {ratio} |")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"title": title, "rates": rates, "medians": medians},
+                                        indent=2))
+
+
+if __name__ == "__main__":
+    main()
