@@ -163,6 +163,22 @@ class SlowDataset(Dataset):
         return torch.tensor(i)
 
 
+class BusyAfterFirst(Dataset):
+    """Index 0 returns at once, every other index sleeps ``delay`` s: after the first batch,
+    the workers are busy in ``__getitem__``."""
+
+    def __init__(self, n: int = 100, delay: float = 30.0):
+        self.n, self.delay = n, delay
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        if i:
+            time.sleep(self.delay)
+        return torch.tensor(i)
+
+
 class SuicideDataset(Dataset):
     """The worker that loads index ``kill_at`` kills itself with ``signum``."""
 

@@ -23,8 +23,11 @@ from fastfeed.worker import WorkerConfig, worker_loop
 
 __all__ = ["ProcessBackend", "ThreadBackend", "WorkerHandle"]
 
-# How long shutdown waits for workers to exit on their own before terminating them.
+# How long shutdown waits for workers to exit on their own before terminating them: at the
+# end of an epoch (idle workers exit at once), and when an iterator was abandoned mid-epoch
+# (a worker may be busy in a long __getitem__ whose result nobody wants).
 SHUTDOWN_GRACE = 2.0
+ABANDONED_GRACE = 0.5
 
 
 @dataclass
@@ -100,13 +103,32 @@ class ProcessBackend:
         except OSError:
             pass  # the worker died; the pool's liveness check reports it
 
-    def shutdown(self, handles: list[WorkerHandle]) -> None:
+    def shutdown(self, handles: list[WorkerHandle], wait: bool = True) -> None:
+        """Ask the workers to exit, then join them (terminating any still busy after the
+        grace). With ``wait=False`` (from a finaliser) a reaper thread joins them instead, so
+        that the thread the garbage collector happened to run in is never blocked."""
+        self.shutting_down.value = True
         try:
-            self.shutting_down.value = True
             for handle in handles:
                 if handle.runner.exitcode is None:
                     handle.index_queue.put(None)
-            deadline = time.monotonic() + SHUTDOWN_GRACE
+        finally:
+            if wait:
+                try:
+                    self._stop(handles, SHUTDOWN_GRACE)
+                finally:
+                    self._close(handles)
+            else:
+                # The reaper closes nothing: reference counting does, once it drops the
+                # handles. The collector may already have finalised (closed) these pipes,
+                # and closing one again could close an fd number reused since.
+                threading.Thread(target=self._stop, args=(handles, ABANDONED_GRACE),
+                                 name="fastfeed-reaper", daemon=True).start()
+
+    @staticmethod
+    def _stop(handles: list[WorkerHandle], grace: float) -> None:
+        try:
+            deadline = time.monotonic() + grace
             for handle in handles:
                 handle.runner.join(timeout=max(0.0, deadline - time.monotonic()))
         finally:
@@ -114,12 +136,14 @@ class ProcessBackend:
                 if handle.runner.exitcode is None:
                     handle.runner.terminate()
                     handle.runner.join(timeout=SHUTDOWN_GRACE)
-            for handle in handles:
-                handle.index_queue.cancel_join_thread()
-                handle.index_queue.close()
-                handle.control.close()
-            self.result_queue.cancel_join_thread()
-            self.result_queue.close()
+
+    def _close(self, handles: list[WorkerHandle]) -> None:
+        for handle in handles:
+            handle.index_queue.cancel_join_thread()
+            handle.index_queue.close()
+            handle.control.close()
+        self.result_queue.cancel_join_thread()
+        self.result_queue.close()
 
 
 class _Flag:
@@ -151,10 +175,12 @@ class ThreadBackend:
     def announce(self, handle: WorkerHandle, created: list, retired: list[int]) -> None:
         pass  # threads share the batch directly: no ring
 
-    def shutdown(self, handles: list[WorkerHandle]) -> None:
+    def shutdown(self, handles: list[WorkerHandle], wait: bool = True) -> None:
         self.shutting_down.value = True
         for handle in handles:
             handle.index_queue.put(None)
+        if not wait:
+            return  # threads cannot be terminated; each is a daemon and ends after its task
         deadline = time.monotonic() + SHUTDOWN_GRACE
         for handle in handles:
             # A thread busy in a long __getitem__ cannot be stopped; it is a daemon and ends

@@ -11,6 +11,7 @@ that are views of that slot. With ``num_workers="auto"`` the pool also grows and
 from __future__ import annotations
 
 import atexit
+import os
 import queue
 import threading
 import time
@@ -51,6 +52,21 @@ def _mark_exiting() -> None:
 atexit.register(_mark_exiting)
 
 
+def _reraise(wrapper: ExceptionWrapper) -> None:
+    """Raise a worker's exception without a reference cycle.
+
+    ``ExceptionWrapper.reraise`` keeps the exception in a local of the frame it raises from,
+    so exception -> traceback -> that frame -> exception is a cycle, and every frame of the
+    traceback (holding this iterator) would wait for the cyclic garbage collector: the
+    workers would outlive the last reference to their iterator. Dropping that frame from the
+    traceback breaks the cycle; the worker's own traceback is in the message.
+    """
+    try:
+        wrapper.reraise()
+    except BaseException as error:
+        raise error.with_traceback(None)  # noqa: B904 - the same exception, not a new one
+
+
 @dataclass
 class _Task:
     worker_id: int
@@ -69,6 +85,9 @@ class WorkerPoolIterator(BaseIterator):
         self._prefetch_factor = loader.prefetch_factor
         self._in_order = loader.in_order
         self._loader_ref = weakref.ref(loader)
+        # A forked child inherits this object; only the process that started the workers
+        # may shut them down.
+        self._owner_pid = os.getpid()
         self._shutdown = False
         self._shutdown_lock = threading.Lock()
         self._epoch = 0
@@ -339,7 +358,7 @@ class WorkerPoolIterator(BaseIterator):
         self._workers_num_tasks[task.worker_id] -= 1
         self._try_put_index()
         if isinstance(task.result, ExceptionWrapper):
-            task.result.reraise()
+            _reraise(task.result)
         if task.dataset_state is not None:
             self._dataset_states[task.worker_id] = task.dataset_state
         return self._pin(task.result)
@@ -399,14 +418,16 @@ class WorkerPoolIterator(BaseIterator):
         self._workers[worker_id].index_queue.put(None)
         self._workers_status[worker_id] = False
 
-    def _shutdown_workers(self) -> None:
+    def _shutdown_workers(self, wait: bool = True) -> None:
         # Once, from whichever thread gets here first: __del__ can run in any thread that
         # happens to trigger garbage collection.
-        if _python_exiting or not self._shutdown_lock.acquire(blocking=False):
+        if _python_exiting or os.getpid() != self._owner_pid:
+            return
+        if not self._shutdown_lock.acquire(blocking=False):
             return
         self._shutdown = True
         try:
-            self._backend.shutdown(self._workers)
+            self._backend.shutdown(self._workers, wait=wait)
         finally:
             if self._ring is not None:
                 loader = self._loader_ref()
@@ -416,4 +437,4 @@ class WorkerPoolIterator(BaseIterator):
 
     def __del__(self) -> None:
         if hasattr(self, "_shutdown_lock"):
-            self._shutdown_workers()
+            self._shutdown_workers(wait=False)

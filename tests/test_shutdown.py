@@ -1,0 +1,127 @@
+"""Shutdown never blocks the training thread, and iterators die by reference counting.
+
+The garbage collector runs finalisers in whatever thread allocates at that moment, in the
+middle of the user's code: a finaliser that joined workers would stall training there.
+"""
+
+import gc
+import os
+import sys
+import time
+
+import pytest
+from datasets import BusyAfterFirst, FailingDataset, SlowDataset, TensorDataset
+from procs import alive, wait_until
+
+from fastfeed import FastLoader
+
+
+def workers_of(iterator):
+    return [handle.pid for handle in iterator._workers]
+
+
+def gone(pids):
+    return not any(alive(pid) for pid in pids)
+
+
+def consume(loader, how):
+    iterator = iter(loader)
+    if how == "error":
+        with pytest.raises(KeyError):
+            for _ in range(len(loader)):
+                next(iterator)
+    else:
+        next(iterator)
+    return iterator
+
+
+@pytest.mark.parametrize("how", ["partial", "error", "device", "persistent"])
+def test_workers_exit_when_the_last_reference_goes_without_the_collector(how):
+    kwargs = {"batch_size": 2, "num_workers": 2}
+    dataset = FailingDataset(bad=5, n=40) if how == "error" else TensorDataset(n=40)
+    if how == "device":
+        kwargs["device"] = "cpu"
+    if how == "persistent":
+        kwargs["persistent_workers"] = True
+    gc.collect()
+    gc.disable()
+    try:
+        loader = FastLoader(dataset, **kwargs)
+        iterator = consume(loader, how)
+        host = getattr(iterator, "_host", iterator)
+        pids = workers_of(host)
+        assert pids and not gone(pids)
+        del iterator, host
+        if how == "persistent":  # the loader holds its iterator for the next epoch
+            assert not gone(pids)
+            del loader
+        assert wait_until(lambda: gone(pids), timeout=10)
+    finally:
+        gc.enable()
+
+
+def test_a_finaliser_never_blocks_and_busy_workers_are_terminated():
+    loader = FastLoader(BusyAfterFirst(delay=30), batch_size=1, num_workers=2)
+    iterator = iter(loader)
+    next(iterator)  # both workers are now sleeping in __getitem__
+    pids = workers_of(iterator)
+    iterator._cycle = iterator  # only the garbage collector can free it now
+    del iterator
+    start = time.monotonic()
+    gc.collect()  # runs the finaliser here, as an allocation in user code would
+    blocked = time.monotonic() - start
+    assert blocked < 0.5, f"the finaliser blocked for {blocked:.2f} s"
+    assert wait_until(lambda: gone(pids), timeout=10), "busy workers were not terminated"
+
+
+def test_a_forked_child_leaves_the_parents_workers_alone():
+    loader = FastLoader(TensorDataset(n=40), batch_size=2, num_workers=2,
+                        persistent_workers=True)
+    iterator = iter(loader)
+    next(iterator)
+    pids = workers_of(iterator)
+    child = os.fork()
+    if child == 0:  # the child: drop everything inherited, and report any finaliser error
+        errors = []
+        sys.unraisablehook = errors.append
+        try:
+            del iterator, loader
+            gc.collect()
+        finally:
+            os._exit(min(len(errors), 100))
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "a finaliser failed in the forked child"
+    assert not gone(pids)
+    assert len(list(iterator)) == 19  # the parent's workers still serve it
+
+
+def _abandon(iterator, workers):
+    workers += workers_of(iterator)
+    iterator._cycle = iterator  # as an exception's traceback would, before the fix
+
+
+def test_timeout_arrives_on_time_after_many_varied_loaders():
+    """The reported sequence: varied loaders left to the collector, then a ``timeout`` loader
+    whose error must not wait for their shutdowns."""
+    workers = []
+    for kwargs in [{"persistent_workers": True}, {"multiprocessing_context": "spawn"},
+                   {"multiprocessing_context": "forkserver"}, {}, {"in_order": False}]:
+        loader = FastLoader(BusyAfterFirst(delay=30), batch_size=1, num_workers=1, **kwargs)
+        iterator = iter(loader)
+        next(iterator)
+        _abandon(iterator, workers)
+    for _ in range(3):
+        loader = FastLoader(FailingDataset(bad=0), batch_size=1, num_workers=2)
+        iterator = iter(loader)
+        with pytest.raises(KeyError):
+            next(iterator)
+        _abandon(iterator, workers)
+    del loader, iterator
+    start = time.monotonic()
+    gc.collect()  # the stalled sequence ran these finalisers inside the next loader's __init__
+    slow = FastLoader(SlowDataset(delay=5), batch_size=1, num_workers=1, timeout=0.5)
+    with pytest.raises(RuntimeError, match="timed out after 0.5 seconds"):
+        next(iter(slow))
+    elapsed = time.monotonic() - start
+    assert elapsed < 0.5 + 1.5, f"the timeout error came after {elapsed:.1f} s"
+    assert wait_until(lambda: gone(workers), timeout=15)
