@@ -23,8 +23,9 @@ SECTIONS = [
         "Compose", "Normalize", "ChannelsLast", "RandomHorizontalFlip", "RandomErasing",
         "BatchTransform")]),
     ("fastfeed.vision", [getattr(vision, n) for n in (
-        "accelerate", "batch_tail", "image_loader", "ImageFolder", "YoloDataset", "ImageCollate", "YoloCollate",
-        "DecodeError", "decode_resized_crop", "parse_labels", "roi_decoder_available")]),
+        "accelerate", "batch_tail", "image_loader", "ImageFolder", "YoloDataset",
+        "ImageCollate", "YoloCollate", "DecodeError", "decode_resized_crop", "parse_labels",
+        "roi_decoder_available")]),
 ]
 METHODS = {fastfeed.FastLoader: ["state_dict", "load_state_dict", "stats"],
            fastfeed.LoaderStats: ["summary", "postfix"]}
