@@ -1,8 +1,16 @@
 """Pipeline overhead: the stock DataLoader against FastLoader on fixed-size samples.
 
-The dataset returns pre-made 3×224×224 tensors, so what is measured is the loader itself:
-collation, moving batches between processes, and handing them over. The consumer reads one
-byte of every 4 KiB page of each batch, as a host-to-device copy would touch every page.
+Two datasets, so that what is measured is the loader itself (collation, moving batches
+between processes, handing them over) and not decoding:
+
+- hot (a diagnostic): 16 pre-made 3×224×224 tensors, cycled: 2.4 MB that sit in the caches.
+- cold (``--cold``, the headline): ``--cold-gb`` of stored uint8 3×224×224 samples (3 GB by
+  default, far larger than the caches), shuffled, persistent workers; beside the loaders, the
+  same run measures the bound: batches/s of gathering random samples with ``torch.stack`` in
+  two processes of one thread each, and in one process with one thread per core.
+
+The consumer reads one byte of every 4 KiB page of each batch, as a host-to-device copy would
+touch every page.
 
 Each measurement runs in its own process (clean peak RSS), the two loaders interleaved, and
 the medians of ``--repeats`` runs are reported as a ratio. On a GPU, the script also measures
@@ -10,12 +18,14 @@ host-to-device bandwidth from the ring against the pinned cudaMemcpy peak.
 
     python benchmarks/overhead.py                  # the RESULTS.md table
     python benchmarks/overhead.py --quick          # a fast smoke run
+    python benchmarks/overhead.py --cold           # stored samples larger than the caches
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import subprocess
@@ -51,30 +61,90 @@ class FixedSamples(Dataset):
         return self.samples[i % 16]
 
 
+class StoredSamples(Dataset):
+    """``n`` distinct stored samples in one tensor: each read comes from memory, not cache."""
+
+    def __init__(self, gigabytes: float) -> None:
+        n = int(gigabytes * 1e9) // (3 * 224 * 224)
+        self.data = torch.empty((n, 3, 224, 224), dtype=torch.uint8)
+        self.data.view(n, -1)[:, ::PAGE] = torch.arange(n, dtype=torch.uint8).view(n, 1)
+        self.data.fill_(7)  # fault every page in now, not during the timed batches
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.data[i]
+
+
 def touch(batch: torch.Tensor) -> int:
     flat = batch.view(-1).view(torch.uint8)
     return int(flat[::PAGE].sum())
 
 
-def measure_one(loader_name: str, dtype: str, batch_size: int, workers: int, batches: int) -> dict:
+def endless(loader: DataLoader):
+    while True:
+        yield from loader
+
+
+def measure_one(loader_name: str, dtype: str, batch_size: int, workers: int, batches: int,
+                cold_gb: float = 0.0) -> dict:
     """Batches/s of one loader in this process, after a warm-up."""
-    loader = LOADERS[loader_name](FixedSamples(DTYPES[dtype]), batch_size=batch_size,
-                                  num_workers=workers)
-    iterator = iter(loader)
-    for _ in range(5):
+    if cold_gb:
+        dataset: Dataset = StoredSamples(cold_gb)
+        kwargs = {"shuffle": True, "persistent_workers": True}
+    else:
+        dataset, kwargs = FixedSamples(DTYPES[dtype]), {}
+    loader = LOADERS[loader_name](dataset, batch_size=batch_size, num_workers=workers, **kwargs)
+    iterator = endless(loader)
+    for _ in range(5 if not cold_gb else 20):
         touch(next(iterator))
     start = time.perf_counter()
     for _ in range(batches):
         touch(next(iterator))
     elapsed = time.perf_counter() - start
-    ring = getattr(iterator, "_ring", None)
-    ring_bytes = ring.nbytes if ring is not None else 0
+    ring_mb = loader.stats().ring_mb if isinstance(loader, FastLoader) else 0.0
     del iterator
     return {
         "batches_per_s": batches / elapsed,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "ring_mb": ring_bytes / 2**20,
+        "ring_mb": ring_mb,
     }
+
+
+def _gather_rate(data: torch.Tensor, batch_size: int, batches: int, seed: int) -> float:
+    out = torch.empty((batch_size, *data.shape[1:]), dtype=data.dtype)
+    g = torch.Generator().manual_seed(seed)
+    start = time.perf_counter()
+    for _ in range(batches):
+        picks = torch.randint(0, len(data), (batch_size,), generator=g).tolist()
+        torch.stack([data[i] for i in picks], out=out)
+    return batches / (time.perf_counter() - start)
+
+
+def gather_bound(cold_gb: float, batch_size: int, batches: int) -> dict:
+    """Batches/s of random gathers from the stored samples alone: two processes with one
+    thread each (forked before this process used torch's thread pool), and this process with
+    one thread per core."""
+    import multiprocessing as mp
+
+    data = StoredSamples(cold_gb).data
+    ctx = mp.get_context("fork")
+    rates = ctx.Queue()
+
+    def one_thread(seed: int) -> None:
+        torch.set_num_threads(1)
+        rates.put(_gather_rate(data, batch_size, batches, seed))
+
+    procs = [ctx.Process(target=one_thread, args=(seed,)) for seed in range(2)]
+    for proc in procs:
+        proc.start()
+    two_processes = sum(rates.get() for _ in procs)
+    for proc in procs:
+        proc.join()
+    torch.set_num_threads(os.cpu_count() or 1)
+    one_process = _gather_rate(data, batch_size, batches, seed=2)
+    return {"two_processes": two_processes, "one_process": one_process}
 
 
 def memcpy_bound(nbytes: int, repeats: int = 10) -> float:
@@ -137,12 +207,22 @@ def main() -> None:
                         help="samples timed per run (batches = samples / batch size)")
     parser.add_argument("--quick", action="store_true", help="1 dtype, 1 batch size, 2 repeats")
     parser.add_argument("--json", type=Path, help="also write the raw figures here")
-    parser.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
+    parser.add_argument("--cold", action="store_true",
+                        help="stored samples larger than the caches, against the gather bound")
+    parser.add_argument("--cold-gb", type=float, default=3.0)
+    parser.add_argument("--child", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args()
 
     if args.child:
-        name, dtype, bs, workers, batches = args.child
-        print(json.dumps(measure_one(name, dtype, int(bs), int(workers), int(batches))))
+        name, dtype, bs, workers, batches, cold_gb = args.child
+        if name == "bound":
+            print(json.dumps(gather_bound(float(cold_gb), int(bs), int(batches))))
+        else:
+            print(json.dumps(measure_one(name, dtype, int(bs), int(workers), int(batches),
+                                         float(cold_gb))))
+        return
+    if args.cold:
+        cold_main(args)
         return
     if args.quick:
         args.dtypes, args.batch_sizes, args.repeats, args.samples = ["uint8"], [128], 2, 2048
@@ -154,7 +234,7 @@ def main() -> None:
     for (dtype, bs), _, name in progress(jobs, total=len(jobs), desc="runs"):
         batches = max(10, args.samples // bs)
         raw[(dtype, bs)][name].append(
-            run_child([name, dtype, str(bs), str(args.workers), str(batches)]))
+            run_child([name, dtype, str(bs), str(args.workers), str(batches), "0"]))
 
     rows = []
     for (dtype, bs), runs in raw.items():
@@ -190,6 +270,39 @@ def main() -> None:
               f"peak {h['pinned_peak_gbs']:.1f} GB/s ({h['ring_pct_of_peak']:.0f} %)")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
+
+
+def cold_main(args: argparse.Namespace) -> None:
+    """The cold rows: stock, fastfeed and the gather bound, interleaved, in fresh processes."""
+    bs = 128 if args.batch_sizes == [64, 128, 256] else args.batch_sizes[0]
+    batches = 300
+    names = ("stock", "fastfeed", "bound")
+    jobs = [n for r in range(args.repeats) for n in (names if r % 2 == 0 else names[::-1])]
+    runs: dict[str, list[dict]] = {n: [] for n in names}
+    for name in progress(jobs, total=len(jobs), desc="cold runs"):
+        runs[name].append(run_child([name, "uint8", str(bs), str(args.workers), str(batches),
+                                     str(args.cold_gb)]))
+    med = {n: statistics.median(r["batches_per_s"] for r in runs[n]) for n in ("stock",
+                                                                               "fastfeed")}
+    bounds = {k: statistics.median(r[k] for r in runs["bound"])
+              for k in ("two_processes", "one_process")}
+    best = max(bounds.values())
+    rss = {n: statistics.median(r["peak_rss_mb"] for r in runs[n]) for n in ("stock",
+                                                                             "fastfeed")}
+    print(f"\ncold: {args.cold_gb:g} GB of stored uint8 3×224×224 samples, shuffled, batch "
+          f"{bs}, {args.workers} workers, persistent; medians of {args.repeats} interleaved runs\n")
+    print("| stock batches/s | fastfeed batches/s | ratio | bound: 2 processes × 1 thread "
+          "| bound: 1 process × all cores | fastfeed % of best bound "
+          "| peak RSS stock / fastfeed MB |")
+    print("|---|---|---|---|---|---|---|")
+    ratio = med["fastfeed"] / med["stock"]
+    print(f"| {med['stock']:.0f} | {med['fastfeed']:.0f} | **{ratio:.2f}×** "
+          f"| {bounds['two_processes']:.0f} | {bounds['one_process']:.0f} "
+          f"| **{100 * med['fastfeed'] / best:.0f} %** | {rss['stock']:.0f} / "
+          f"{rss['fastfeed']:.0f} |")
+    if args.json:
+        args.json.write_text(json.dumps({"cold": runs, "medians": med, "bounds": bounds},
+                                        indent=2))
 
 
 if __name__ == "__main__":

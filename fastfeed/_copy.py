@@ -17,7 +17,18 @@ try:
 except ImportError:  # built without a compiler: the pure-torch path takes over
     _C = None
 
-__all__ = ["extension_loaded", "stack_hwc_to_chw", "stack_into"]
+__all__ = ["extension_loaded", "set_copy_threads", "stack_hwc_to_chw", "stack_into"]
+
+# Threads per gather; 0 lets the extension use every core. A worker process sets its share of
+# the cores: two workers on two cores, each starting two threads per batch, would fight over
+# the cores with each other and with the main process.
+_copy_threads = 0
+
+
+def set_copy_threads(threads: int) -> None:
+    """Set the threads each gather in this process may use (0: every core)."""
+    global _copy_threads
+    _copy_threads = max(0, int(threads))
 
 
 def extension_loaded() -> bool:
@@ -25,7 +36,8 @@ def extension_loaded() -> bool:
     return _C is not None
 
 
-def stack_into(out: torch.Tensor, samples: Sequence[torch.Tensor], threads: int = 0) -> None:
+def stack_into(out: torch.Tensor, samples: Sequence[torch.Tensor], threads: int | None = None
+               ) -> None:
     """Copy equally shaped ``samples`` into ``out``, which has shape ``(len(samples), *shape)``.
 
     Equivalent to ``torch.stack(samples, 0, out=out)``. Contiguous sources of ``out``'s dtype
@@ -41,13 +53,14 @@ def stack_into(out: torch.Tensor, samples: Sequence[torch.Tensor], threads: int 
     ):
         if samples:
             nbytes = out.nbytes // len(samples)
-            _C.gather(out.data_ptr(), [s.data_ptr() for s in samples], nbytes, threads)
+            _C.gather(out.data_ptr(), [s.data_ptr() for s in samples], nbytes,
+                      _copy_threads if threads is None else threads)
     else:
         torch.stack(list(samples), 0, out=out)
 
 
 def stack_hwc_to_chw(
-    out: torch.Tensor, images: Sequence[np.ndarray | torch.Tensor], threads: int = 0
+    out: torch.Tensor, images: Sequence[np.ndarray | torch.Tensor], threads: int | None = None
 ) -> None:
     """Gather uint8 ``H×W×C`` images into the uint8 ``N×C×H×W`` tensor ``out`` in one pass.
 
@@ -66,6 +79,7 @@ def stack_hwc_to_chw(
                 f"expected ({h}, {w}, {c}) uint8"
             )
     if _C is not None and all(src.is_contiguous() for src in sources):
-        _C.gather_hwc_to_chw(out.data_ptr(), [s.data_ptr() for s in sources], h, w, c, threads)
+        _C.gather_hwc_to_chw(out.data_ptr(), [s.data_ptr() for s in sources], h, w, c,
+                             _copy_threads if threads is None else threads)
     else:
         torch.stack([src.permute(2, 0, 1) for src in sources], 0, out=out)

@@ -1,8 +1,11 @@
-"""Reading Linux's /proc: available memory and this process's RSS. None off Linux."""
+"""Machine facts: the cores this process may use, and (from Linux's /proc) available memory
+and this process's RSS, None off Linux."""
 
 from __future__ import annotations
 
-__all__ = ["available_memory", "resident_memory"]
+import os
+
+__all__ = ["available_cpus", "available_memory", "resident_memory"]
 
 
 def _read_kib(path: str, field: str) -> int | None:
@@ -24,3 +27,11 @@ def available_memory() -> int | None:
 def resident_memory() -> int | None:
     """This process's resident set size in bytes."""
     return _read_kib("/proc/self/status", "VmRSS")
+
+
+def available_cpus() -> int:
+    """Cores this process may run on (the affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1

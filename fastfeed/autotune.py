@@ -15,20 +15,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from fastfeed._proc import available_memory, resident_memory
+from fastfeed._proc import available_cpus, available_memory, resident_memory
 
 __all__ = ["CpuMeter", "Window", "WorkerTuner", "available_cpus", "initial_workers"]
 
 # A worker is budgeted at the main process's RSS (it is a fork of it) and at least this much.
 _MIN_WORKER_BYTES = 256 << 20
-
-
-def available_cpus() -> int:
-    """Cores this process may run on (the affinity mask where the OS has one)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
 
 
 def memory_cap(share: float = 0.5) -> int:

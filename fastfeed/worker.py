@@ -25,6 +25,8 @@ import torch
 from torch._utils import ExceptionWrapper
 from torch.utils.data import get_worker_info
 
+from fastfeed._copy import set_copy_threads
+from fastfeed._proc import available_cpus
 from fastfeed._torch_compat import (
     default_collate,
     numpy_seed,
@@ -137,6 +139,7 @@ def _setup(config: WorkerConfig) -> None:
                                                 config.dataset)
         return
     torch.set_num_threads(1)
+    set_copy_threads(max(1, available_cpus() // config.num_workers))
     random.seed(seed)
     torch.manual_seed(seed)
     np.random.seed(numpy_seed(config.base_seed, config.worker_id))

@@ -58,3 +58,14 @@ def test_bad_input_is_one_line(args, message, tmp_path):
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("fastfeed bench: error:"), out.stderr
     assert message in lines[0] and "Traceback" not in out.stderr
+
+
+def test_stall_is_shown_only_beside_a_training_step(tmp_path):
+    common = ["--data", "synthetic", "--workers", "0", "--batches", "3", "--repeats", "1",
+              "--batch-size", "4"]
+    out = bench(*common, "--out", str(tmp_path / "a"))
+    assert out.returncode == 0, out.stderr
+    assert "stall %" not in out.stdout and "not shown without a training step" in out.stdout
+    out = bench(*common, "--step-ms", "1", "--out", str(tmp_path / "b"))
+    assert out.returncode == 0, out.stderr
+    assert "stall %" in out.stdout

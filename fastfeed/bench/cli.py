@@ -3,7 +3,9 @@
 Configurations run interleaved, each measurement in a fresh process, and the medians of
 ``--repeats`` are reported: throughput, speedup against stock at the same worker count, the
 data stall (share of wall time spent waiting for a batch), time to the first batch, and peak
-RSS (main process plus its largest worker). Writes ``bench.json`` and, with matplotlib,
+RSS (main process plus its largest worker); the stall only with ``--step-ms`` or ``--model``,
+since a loop that only waits for data stalls near 100 % whatever the loader. Writes
+``bench.json`` and, with matplotlib (``pip install 'fastfeed[plot]'``),
 ``bench.png`` to ``--out``.
 
 Configurations: ``stock`` (torch's DataLoader; for image folders, over a plain Pillow dataset),
@@ -100,11 +102,14 @@ def run(args: argparse.Namespace) -> int:
     step = f"model {args.model}" if args.model else f"step {args.step_ms:g} ms"
     title = (f"{source.description}: batch {args.batch_size}, {step}, medians of "
              f"{args.repeats}")
-    write_table(results, title)
+    with_stall = bool(args.model or args.step_ms)
+    write_table(results, title, with_stall)
+    if not with_stall:
+        print("data stall: not shown without a training step; add --step-ms or --model")
     write_json(results, {"args": {k: str(v) for k, v in vars(args).items()}, "title": title},
                args.out / "bench.json")
-    charted = write_chart(results, title, args.out / "bench.png")
+    charted = write_chart(results, title, args.out / "bench.png", with_stall)
     print(f"wrote {args.out / 'bench.json'}"
-          + (f" and {args.out / 'bench.png'}" if charted else " (pip install matplotlib "
+          + (f" and {args.out / 'bench.png'}" if charted else " (pip install 'fastfeed[plot]' "
              "for a chart)"))
     return 0

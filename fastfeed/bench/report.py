@@ -14,7 +14,7 @@ COLUMNS = ["config", "workers", "samples/s", "vs stock", "stall %", "first batch
            "peak RSS MB"]
 
 
-def rows(results: list[dict[str, Any]]) -> list[list[str]]:
+def rows(results: list[dict[str, Any]], with_stall: bool = True) -> list[list[str]]:
     stock = {(r["config"], r["workers"]): r["samples_per_s"] for r in results
              if r["config"] == baseline(r["config"])}
     out = []
@@ -23,26 +23,31 @@ def rows(results: list[dict[str, Any]]) -> list[list[str]]:
         base = stock.get((family, r["workers"])) or next(
             (v for (c, _), v in stock.items() if c == family), None)
         ratio = f"{r['samples_per_s'] / base:.2f}×" if base else "n/a"
-        out.append([r["config"], str(r["workers"]), f"{r['samples_per_s']:,.0f}", ratio,
-                    f"{r['stall_pct']:.1f}", f"{r['first_batch_s']:.2f}",
-                    f"{r['peak_rss_mb']:,.0f}"])
+        row = [r["config"], str(r["workers"]), f"{r['samples_per_s']:,.0f}", ratio,
+               f"{r['stall_pct']:.1f}", f"{r['first_batch_s']:.2f}", f"{r['peak_rss_mb']:,.0f}"]
+        out.append(row if with_stall else row[:4] + row[5:])
     return out
 
 
-def write_table(results: list[dict[str, Any]], title: str) -> None:
-    """Print the table: with rich if it is installed, else as aligned plain text."""
-    body = rows(results)
+def write_table(results: list[dict[str, Any]], title: str, with_stall: bool = True) -> None:
+    """Print the table: with rich if it is installed, else as aligned plain text.
+
+    Without a training step (``with_stall=False``) the consumer only waits, so the data stall
+    is near 100 % for every loader and says nothing: the column is left out.
+    """
+    body = rows(results, with_stall)
+    columns = COLUMNS if with_stall else [c for c in COLUMNS if c != "stall %"]
     try:
         from rich.console import Console
         from rich.table import Table
     except ImportError:
-        widths = [max(len(c), *(len(r[i]) for r in body)) for i, c in enumerate(COLUMNS)]
+        widths = [max(len(c), *(len(r[i]) for r in body)) for i, c in enumerate(columns)]
         print(title)
-        for line in [COLUMNS, *body]:
+        for line in [columns, *body]:
             print("  ".join(v.ljust(w) for v, w in zip(line, widths, strict=True)))
         return
     table = Table(title=title)
-    for column in COLUMNS:
+    for column in columns:
         table.add_column(column, justify="left" if column == "config" else "right")
     for row in body:
         table.add_row(*row)
@@ -53,8 +58,10 @@ def write_json(results: list[dict[str, Any]], meta: dict[str, Any], path: Path) 
     path.write_text(json.dumps({"meta": meta, "results": results}, indent=2))
 
 
-def write_chart(results: list[dict[str, Any]], title: str, path: Path) -> bool:
-    """Bar chart of throughput with the stall on a second axis; False without matplotlib."""
+def write_chart(results: list[dict[str, Any]], title: str, path: Path,
+                with_stall: bool = True) -> bool:
+    """Bar chart of throughput, and of the data stall when a training step ran beside the
+    loader (see :func:`write_table`); False without matplotlib."""
     try:
         import matplotlib
 
@@ -64,18 +71,21 @@ def write_chart(results: list[dict[str, Any]], title: str, path: Path) -> bool:
         return False
     labels = [f"{r['config']}\n{r['workers']} workers" for r in results]
     colors = ["#9e9e9e" if r["config"] == baseline(r["config"]) else "#1f77b4" for r in results]
-    width = max(8.0, 1.6 * len(results))
-    fig, (speed, stall) = plt.subplots(1, 2, figsize=(width, 4.2))
+    width = max(8.0, 1.6 * len(results)) * (1 if with_stall else 0.6)
+    fig, axes = plt.subplots(1, 2 if with_stall else 1, figsize=(width, 4.2), squeeze=False)
+    speed = axes[0][0]
     bars = speed.bar(labels, [r["samples_per_s"] for r in results], color=colors)
     speed.bar_label(bars, fmt="{:,.0f}", fontsize=8)
     speed.set_ylabel("samples / s (median)")
     speed.set_title("throughput (higher is better)", fontsize=10)
-    bars = stall.bar(labels, [r["stall_pct"] for r in results], color=colors)
-    stall.bar_label(bars, fmt="{:.0f}%", fontsize=8)
-    stall.set_ylim(0, 105)
-    stall.set_ylabel("% of wall time waiting for data")
-    stall.set_title("data stall (lower is better)", fontsize=10)
-    for axis in (speed, stall):
+    if with_stall:
+        stall = axes[0][1]
+        bars = stall.bar(labels, [r["stall_pct"] for r in results], color=colors)
+        stall.bar_label(bars, fmt="{:.0f}%", fontsize=8)
+        stall.set_ylim(0, 105)
+        stall.set_ylabel("% of wall time waiting for data")
+        stall.set_title("data stall (lower is better)", fontsize=10)
+    for axis in axes[0]:
         axis.tick_params(axis="x", labelsize=8)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
