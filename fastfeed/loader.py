@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from fastfeed._torch_compat import is_datapipe, is_iterable_dataset
 from fastfeed.autotune import WorkerTuner, initial_workers
 from fastfeed.device import DeviceIterator, resolve_device
-from fastfeed.iterators import SingleProcessIterator, WorkerPoolIterator
+from fastfeed.iterators import IteratorSetup, Learned, SingleProcessIterator, WorkerPoolIterator
 from fastfeed.resume import EpochStart, LoaderState
 from fastfeed.telemetry import GpuSampler, LoaderStats, Telemetry
 
@@ -153,12 +153,10 @@ class FastLoader(DataLoader):
         # garbage collector, which may run their shutdown in any thread.
         self._telemetry = Telemetry(log_every, describe=partial(_summary, weakref.ref(self)))
         self._gpu_sampler: GpuSampler | None = None
-        self._mode_rates: dict[str, float] = {}  # batches/s per worker mode, for "auto"
         self._copy_stream: Any = None  # one per loader, created on first use
-        self._pending_resume: LoaderState | None = None
         self._live_iterator: Callable[[], Any] = lambda: None
-        # Learned by the first iterator, so later epochs' rings start at the right size.
-        self._ring_slot_bytes = 0
+        self._learned = Learned()  # what iterators learn for the next ones
+        self._decided_mode = False
         super().__init__(
             dataset,
             batch_size=batch_size,
@@ -178,6 +176,17 @@ class FastLoader(DataLoader):
             pin_memory_device=pin_memory_device,
             in_order=in_order,
         )
+
+    @property
+    def num_workers(self) -> int:
+        """As in torch; with ``num_workers="auto"``, the count the tuner has settled on."""
+        learned = self._learned.workers
+        return self._num_workers if learned is None else learned
+
+    @num_workers.setter
+    def num_workers(self, value: int) -> None:
+        self._num_workers = value
+        self._learned.workers = None  # a count set by hand replaces the tuner's
 
     def stats(self, reset: bool = False) -> LoaderStats:
         """Where the time went since the loader was created (or last reset).
@@ -214,45 +223,44 @@ class FastLoader(DataLoader):
             t.reset()
         return snapshot
 
-    def _make_tuner(self, workers: int) -> WorkerTuner | None:
-        """The worker tuner for a new iterator, if ``num_workers="auto"`` can move."""
-        if not self.autotune or is_iterable_dataset(self.dataset):
-            return None  # replicas of an IterableDataset shard by worker count: keep it fixed
-        return WorkerTuner(workers, self._max_workers)
-
-    @property
-    def _active_worker_mode(self) -> str:
-        """The mode for the next iterator; ``"auto"`` tries each for an epoch, then keeps the
-        faster one."""
+    def _worker_mode_for_next_iterator(self) -> str:
+        """``"auto"`` tries each mode for an epoch, then keeps the faster one."""
         if self.worker_mode != "auto":
             return self.worker_mode
         if is_iterable_dataset(self.dataset) or self.deterministic or self.persistent_workers:
             return "process"
+        rates = self._learned.epoch_rates
         for mode in ("process", "thread"):
-            if mode not in self._mode_rates:
+            if mode not in rates:
                 return mode
-        return max(self._mode_rates, key=lambda mode: self._mode_rates[mode])
-
-    def _record_epoch_rate(self, mode: str, batches_per_s: float) -> None:
-        if self.worker_mode == "auto" and mode not in self._mode_rates:
-            self._mode_rates[mode] = batches_per_s
-            if len(self._mode_rates) == 2:
-                chosen = max(self._mode_rates, key=lambda m: self._mode_rates[m])
-                self._telemetry.decision(
-                    "worker_mode auto: " + ", ".join(
-                        f"{m} {r:,.1f} batches/s" for m, r in self._mode_rates.items())
-                    + f" -> {chosen}")
+        chosen = max(rates, key=lambda mode: rates[mode])
+        if not self._decided_mode:
+            self._decided_mode = True
+            self._telemetry.decision("worker_mode auto: " + ", ".join(
+                f"{m} {r:,.1f} batches/s" for m, r in rates.items()) + f" -> {chosen}")
+        return chosen
 
     @property
-    def _pins_ring(self) -> bool:
-        """Page-lock ring slots: the batches are headed for a CUDA device."""
+    def _pins_host_memory(self) -> bool:
+        """Batches are headed for a CUDA device: page-lock the ring's slots."""
         wants_cuda = self.pin_memory or (self.device is not None and self.device.type == "cuda")
         return wants_cuda and torch.cuda.is_available()
 
-    @property
-    def _batches_held_by_prefetch(self) -> int:
-        """Host batches the device prefetcher holds: ready ones, plus one being copied."""
-        return 0 if self.device is None else self.prefetch_depth + 1
+    def _iterator_setup(self) -> IteratorSetup:
+        """Everything fastfeed decides for the next iterator (see ``iterators/setup.py``)."""
+        # Replicas of an IterableDataset shard by worker count: keep it fixed.
+        tunes = self.autotune and not is_iterable_dataset(self.dataset)
+        return IteratorSetup(
+            telemetry=self._telemetry,
+            learned=self._learned,
+            worker_mode=self._worker_mode_for_next_iterator(),
+            tuner=WorkerTuner(self.num_workers, self._max_workers) if tunes else None,
+            pin_ring=self._pins_host_memory,
+            # ready batches, plus the one being copied
+            held_by_prefetch=0 if self.device is None else self.prefetch_depth + 1,
+            ring_slots=self.ring_slots,
+            deterministic=self.deterministic,
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """Return a snapshot from which :meth:`load_state_dict` resumes at the next batch.
@@ -278,11 +286,7 @@ class FastLoader(DataLoader):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Make the next ``iter(loader)`` resume from ``state_dict`` (see :meth:`state_dict`)."""
-        self._pending_resume = LoaderState.from_dict(state_dict)
-
-    def _take_resume(self) -> LoaderState | None:
-        resume, self._pending_resume = self._pending_resume, None
-        return resume
+        self._learned.resume = LoaderState.from_dict(state_dict)
 
     def __iter__(self) -> Any:
         iterator = self._wrap(super().__iter__())
@@ -290,7 +294,7 @@ class FastLoader(DataLoader):
         return iterator
 
     def _wrap(self, host: Any) -> Any:
-        if self._pins_ring and self._gpu_sampler is None:
+        if self._pins_host_memory and self._gpu_sampler is None:
             self._gpu_sampler = GpuSampler()
             self._gpu_sampler.start()
             weakref.finalize(self, self._gpu_sampler.stop)
@@ -310,7 +314,8 @@ class FastLoader(DataLoader):
         if is_datapipe(self.dataset):
             # DataPipes (deprecated in torch) need torch's sharding hooks: use torch's iterators.
             return super()._get_iterator()
+        setup = self._iterator_setup()
         if self.num_workers == 0:
-            return SingleProcessIterator(self)
+            return SingleProcessIterator(self, setup)
         self.check_worker_number_rationality()
-        return WorkerPoolIterator(self)
+        return WorkerPoolIterator(self, setup)

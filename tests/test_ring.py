@@ -128,7 +128,7 @@ def test_ring_is_bounded_across_epochs():
 def test_ring_learns_size_across_non_persistent_epochs():
     loader = FastLoader(TensorDataset(n=40), batch_size=4, num_workers=2)
     list(loader)
-    assert loader._ring_slot_bytes > 0
+    assert loader._learned.ring_slot_bytes > 0
 
 
 def test_ring_refuses_slots_larger_than_memory(monkeypatch):

@@ -2,6 +2,8 @@
 
 from fastfeed.iterators.base import BaseIterator
 from fastfeed.iterators.pool import WorkerPoolIterator
+from fastfeed.iterators.setup import IteratorSetup, Learned
 from fastfeed.iterators.single import SingleProcessIterator
 
-__all__ = ["BaseIterator", "SingleProcessIterator", "WorkerPoolIterator"]
+__all__ = ["BaseIterator", "IteratorSetup", "Learned", "SingleProcessIterator",
+           "WorkerPoolIterator"]

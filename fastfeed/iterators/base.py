@@ -9,16 +9,15 @@ from __future__ import annotations
 
 import time
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
+from torch.utils.data import DataLoader
 
 from fastfeed._torch_compat import is_iterable_dataset, pin_memory
+from fastfeed.iterators.setup import IteratorSetup
 from fastfeed.resume import EpochStart, LoaderState
 from fastfeed.telemetry import batch_length
-
-if TYPE_CHECKING:
-    from fastfeed.loader import FastLoader
 
 __all__ = ["BaseIterator"]
 
@@ -26,7 +25,8 @@ __all__ = ["BaseIterator"]
 class BaseIterator:
     """Sampler iteration, seeding, pinning and the IterableDataset length check."""
 
-    def __init__(self, loader: FastLoader) -> None:
+    def __init__(self, loader: DataLoader, setup: IteratorSetup) -> None:
+        self._setup = setup
         self._dataset = loader.dataset
         self._iterable = is_iterable_dataset(loader.dataset)
         self._len_called = loader._IterableDataset_len_called
@@ -37,7 +37,7 @@ class BaseIterator:
         self._timeout = loader.timeout
         self._collate_fn = loader.collate_fn
         self._persistent_workers = loader.persistent_workers
-        self._telemetry = loader._telemetry
+        self._telemetry = setup.telemetry
         self.records_delivery = True  # False when a DeviceIterator wraps this one and records
 
         if loader.pin_memory and loader.pin_memory_device:
@@ -56,7 +56,7 @@ class BaseIterator:
         self._pin_memory = loader.pin_memory and torch.cuda.is_available()
 
         self._generator = loader.generator
-        resume = loader._take_resume()
+        resume = setup.learned.take_resume()
         if resume is not None:
             resume.epoch_start.restore(loader.generator)
         self._epoch_start = EpochStart.capture(loader.generator)
@@ -74,11 +74,11 @@ class BaseIterator:
     def __iter__(self) -> BaseIterator:
         return self
 
-    def _reset(self, loader: FastLoader, first_iter: bool = False) -> None:
+    def _reset(self, loader: DataLoader, first_iter: bool = False) -> None:
         if first_iter:
             resume, self._resume = self._resume, None
         else:
-            resume = loader._take_resume()
+            resume = self._setup.learned.take_resume()
             if resume is not None:
                 resume.epoch_start.restore(loader.generator)
             self._epoch_start = EpochStart.capture(loader.generator)

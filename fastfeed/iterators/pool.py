@@ -15,22 +15,20 @@ import os
 import queue
 import threading
 import time
-import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch._utils import ExceptionWrapper
+from torch.utils.data import DataLoader
 
 from fastfeed.autotune import CpuMeter, Window
 from fastfeed.codec import Encoded, decode
 from fastfeed.iterators.backends import WorkerHandle, make_backend
 from fastfeed.iterators.base import BaseIterator
+from fastfeed.iterators.setup import IteratorSetup
 from fastfeed.resume import LoaderState
 from fastfeed.ring import SlotRing, ring_supported
 from fastfeed.worker import Produced, Resume, WorkerConfig, WorkerDone
-
-if TYPE_CHECKING:
-    from fastfeed.loader import FastLoader
 
 __all__ = ["WorkerPoolIterator"]
 
@@ -79,12 +77,11 @@ class _Task:
 class WorkerPoolIterator(BaseIterator):
     """Iterates a FastLoader with worker processes or threads."""
 
-    def __init__(self, loader: FastLoader) -> None:
-        super().__init__(loader)
+    def __init__(self, loader: DataLoader, setup: IteratorSetup) -> None:
+        super().__init__(loader, setup)
         assert loader.prefetch_factor is not None and loader.prefetch_factor > 0
         self._prefetch_factor = loader.prefetch_factor
         self._in_order = loader.in_order
-        self._loader_ref = weakref.ref(loader)
         # A forked child inherits this object; only the process that started the workers
         # may shut them down.
         self._owner_pid = os.getpid()
@@ -94,22 +91,22 @@ class WorkerPoolIterator(BaseIterator):
         self._workers: list[WorkerHandle] = []
         self._retired: set[int] = set()  # retired by the tuner; their ids are never reused
         self._worker_init_fn = loader.worker_init_fn
-        self._deterministic = loader.deterministic
-        self._telemetry = loader._telemetry
-        self._tuner = loader._make_tuner(self._num_workers)
+        self._deterministic = setup.deterministic
+        self._learned = setup.learned
+        self._tuner = setup.tuner
         self._cpu = CpuMeter() if self._tuner is not None else None
         self._window = (time.perf_counter(), self._telemetry.waited)
         self._window_batches = 0
 
-        self._backend = make_backend(loader._active_worker_mode, loader.multiprocessing_context)
+        self._backend = make_backend(setup.worker_mode, loader.multiprocessing_context)
         self._telemetry.worker_mode = self._backend.kind
-        self._spare_slots = _SPARE_SLOTS + loader._batches_held_by_prefetch
-        slots = loader.ring_slots
+        self._spare_slots = _SPARE_SLOTS + setup.held_by_prefetch
+        slots = setup.ring_slots
         self._fixed_ring_size = slots is not None
         use_ring = self._backend.kind == "process" and ring_supported() and slots != 0
         self._ring = (
             SlotRing(slots if slots is not None else self._max_slots(self._num_workers),
-                     pin=loader._pins_ring, slot_bytes=loader._ring_slot_bytes)
+                     pin=setup.pin_ring, slot_bytes=self._learned.ring_slot_bytes)
             if use_ring else None
         )
         self._telemetry.ring = self._ring
@@ -162,7 +159,7 @@ class WorkerPoolIterator(BaseIterator):
             )
         return resume.dataset_states[worker_id]
 
-    def _reset(self, loader: FastLoader, first_iter: bool = False) -> None:
+    def _reset(self, loader: DataLoader, first_iter: bool = False) -> None:
         super()._reset(loader, first_iter)
         resume = self._epoch_resume
         live = [w.worker_id for w in self._workers if w.worker_id not in self._retired]
@@ -320,10 +317,9 @@ class WorkerPoolIterator(BaseIterator):
                 return self._process(arrived)
 
     def _epoch_finished(self) -> None:
-        loader = self._loader_ref()
-        if loader is not None and self._num_yielded:
+        if self._num_yielded:
             rate = self._num_yielded / max(time.perf_counter() - self._epoch_clock, 1e-9)
-            loader._record_epoch_rate(self._backend.kind, rate)
+            self._learned.epoch_rates.setdefault(self._backend.kind, rate)
         if not self._persistent_workers:
             self._shutdown_workers()
 
@@ -407,9 +403,7 @@ class WorkerPoolIterator(BaseIterator):
             self._stop_worker(worker_id)
         if self._ring is not None and not self._fixed_ring_size:
             self._ring.max_slots = self._max_slots(self._active)
-        loader = self._loader_ref()
-        if loader is not None:
-            loader.num_workers = self._active  # what the tuner settled on, for the next epoch
+        self._learned.workers = self._active  # where the next epoch's workers start
         for _ in range(self._max_tasks):
             self._try_put_index()
 
@@ -430,9 +424,7 @@ class WorkerPoolIterator(BaseIterator):
             self._backend.shutdown(self._workers, wait=wait)
         finally:
             if self._ring is not None:
-                loader = self._loader_ref()
-                if loader is not None:
-                    loader._ring_slot_bytes = self._ring.slot_bytes
+                self._learned.ring_slot_bytes = self._ring.slot_bytes
                 self._ring.close()
 
     def __del__(self) -> None:

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+from torch.utils.data import DataLoader
 
 from fastfeed.fetch import make_fetcher
 from fastfeed.iterators.base import BaseIterator
+from fastfeed.iterators.setup import IteratorSetup
 from fastfeed.skip import drop_skipped
-
-if TYPE_CHECKING:
-    from fastfeed.loader import FastLoader
 
 __all__ = ["SingleProcessIterator"]
 
@@ -18,15 +18,15 @@ __all__ = ["SingleProcessIterator"]
 class SingleProcessIterator(BaseIterator):
     """Loads every batch in the main process; there is nothing to cross, so no ring."""
 
-    def __init__(self, loader: FastLoader) -> None:
-        super().__init__(loader)
+    def __init__(self, loader: DataLoader, setup: IteratorSetup) -> None:
+        super().__init__(loader, setup)
         if self._timeout != 0:
             # torch's single-process iterator refuses a timeout with the same exception type.
             raise AssertionError("timeout requires num_workers > 0 (got timeout="
                                  f"{self._timeout} with num_workers=0)")
         self._reset(loader, first_iter=True)
 
-    def _reset(self, loader: FastLoader, first_iter: bool = False) -> None:
+    def _reset(self, loader: DataLoader, first_iter: bool = False) -> None:
         super()._reset(loader, first_iter)
         self._tracks_state = self._iterable and hasattr(self._dataset, "state_dict")
         if self._tracks_state and self._dataset_states[0] is not None:

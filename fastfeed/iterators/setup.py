@@ -1,0 +1,45 @@
+"""What a FastLoader hands its iterators, beyond torch's ``DataLoader`` attributes.
+
+The loader computes an :class:`IteratorSetup` for every new iterator; iterators read torch's
+attributes from the loader and everything fastfeed-specific from the setup, and never reach
+back into ``FastLoader``: the dependency runs one way, loader to iterators.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fastfeed.autotune import WorkerTuner
+from fastfeed.resume import LoaderState
+from fastfeed.telemetry import Telemetry
+
+__all__ = ["IteratorSetup", "Learned"]
+
+
+@dataclass
+class Learned:
+    """What one iterator learns for the next iterators of the same loader. Owned by the
+    loader; holds no reference to it, so an iterator keeping it makes no cycle."""
+
+    ring_slot_bytes: int = 0  # so that later epochs' rings start at the right size
+    epoch_rates: dict[str, float] = field(default_factory=dict)  # first epoch, per worker mode
+    workers: int | None = None  # where the tuner settled
+    resume: LoaderState | None = None  # from load_state_dict, for the next epoch to start
+
+    def take_resume(self) -> LoaderState | None:
+        resume, self.resume = self.resume, None
+        return resume
+
+
+@dataclass
+class IteratorSetup:
+    """The loader's decisions for one iterator."""
+
+    telemetry: Telemetry
+    learned: Learned
+    worker_mode: str = "process"  # "process" or "thread" ("auto" is resolved by the loader)
+    tuner: WorkerTuner | None = None
+    pin_ring: bool = False  # page-lock the ring's slots: batches are headed for CUDA
+    held_by_prefetch: int = 0  # host batches a device prefetcher holds on to
+    ring_slots: int | None = None
+    deterministic: bool = False
