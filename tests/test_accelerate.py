@@ -10,6 +10,7 @@ import random
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -264,3 +265,12 @@ def test_bench_compares_the_users_pipeline(root, tmp_path):
     configs = [r["config"] for r in results]
     assert configs[-3:] == ["torchvision", "torchvision+swap", "torchvision+accelerate"]
     assert "torchvision+accelerate" in out.stdout
+
+
+def test_torchvision_training_example_runs(tmp_path):
+    script = Path(__file__).resolve().parents[1] / "examples" / "train_torchvision.py"
+    out = subprocess.run([sys.executable, str(script), "--generate", "32", "--epochs", "1",
+                          "--batch-size", "8", "--arch", "resnet18", "--device", "cpu"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert "epoch 0: loss" in out.stdout and "samples/s" in out.stdout
