@@ -1,15 +1,19 @@
 """num_workers="auto" against fixed worker counts, and threads against processes.
 
-Three synthetic datasets with a known per-sample cost:
+Four synthetic datasets with a known per-sample cost:
 
 - ``light``: 0.1 ms of Python per sample;
 - ``medium``: about 2 ms of zlib compression per sample (releases the GIL, like decoding);
-- ``heavy``: 10 ms of Python per sample (holds the GIL).
+- ``heavy``: 10 ms of Python per sample (holds the GIL);
+- ``io``: 0.5 ms of Python and 6 ms waiting on storage (a sleep, as a network file system or
+  an object store read), where more workers than cores pay.
 
 The consumer simulates a GPU step of ``--step-ms``. Each configuration runs ``--batches``
 batches on a fresh loader; throughput is measured over the last ``--measure`` of them, after
-"auto" has had 200 batches to settle. Configurations are interleaved over ``--repeats`` and the
-medians reported, with "auto" as a ratio of the best fixed setting.
+"auto" has had 200 batches to settle. A second table times the first whole epoch of a
+10-batch epoch, worker start-up included, for "auto" against ``num_workers=<cores>``: what a
+short epoch, or the first of a long run, sees. Configurations are interleaved over
+``--repeats`` and the medians reported, with "auto" as a ratio of the best fixed setting.
 
     python benchmarks/autotune.py
 """
@@ -56,18 +60,40 @@ class Synthetic(Dataset):
             python_work(0.1)
         elif self.kind == "medium":
             zlib.compress(PAYLOAD, 6)
+        elif self.kind == "io":
+            python_work(0.5)
+            time.sleep(0.006)
         else:
             python_work(10.0)
         return torch.full((3, 32, 32), i % 255, dtype=torch.uint8)
 
 
-BATCH = {"light": 32, "medium": 8, "heavy": 2}
+BATCH = {"light": 32, "medium": 8, "heavy": 2, "io": 8}
+FIXED = {"io": [2, 4, 8, 12, 16]}  # other kinds: --fixed
+CORES = len(os.sched_getaffinity(0))
+
+
+def first_epoch(kind: str, workers: int | str, args: argparse.Namespace) -> float:
+    """Batches/s over the whole first epoch of a 10-batch epoch, start-up included."""
+    start = time.perf_counter()
+    loader = FastLoader(Synthetic(kind, length=10 * BATCH[kind]), batch_size=BATCH[kind],
+                        num_workers=workers)
+    for _ in loader:
+        time.sleep(args.step_ms / 1000)
+    return 10 / (time.perf_counter() - start)
+
+
+def endless(loader: FastLoader):
+    while True:
+        yield from loader
 
 
 def run(kind: str, workers: int | str, mode: str, args: argparse.Namespace) -> dict:
-    loader = FastLoader(Synthetic(kind), batch_size=BATCH[kind], num_workers=workers,
+    # worker_mode="auto" decides after an epoch in each mode: give it 40-batch epochs.
+    length = 40 * BATCH[kind] if mode == "auto" else 100_000
+    loader = FastLoader(Synthetic(kind, length), batch_size=BATCH[kind], num_workers=workers,
                         worker_mode=mode if workers != 0 else "process")
-    iterator = iter(loader)
+    iterator = endless(loader)
     start = None
     for i in range(args.batches):
         if i == args.batches - args.measure:
@@ -85,7 +111,7 @@ def run(kind: str, workers: int | str, mode: str, args: argparse.Namespace) -> d
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--kinds", nargs="+", default=["light", "medium", "heavy"])
+    parser.add_argument("--kinds", nargs="+", default=["light", "medium", "heavy", "io"])
     parser.add_argument("--fixed", nargs="+", type=int, default=[0, 1, 2, 3, 4])
     parser.add_argument("--batches", type=int, default=260)
     parser.add_argument("--measure", type=int, default=60)
@@ -94,12 +120,19 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
 
-    configs = [(kind, w, "process") for kind in args.kinds for w in [*args.fixed, "auto"]]
-    configs += [(kind, w, "thread") for kind in args.kinds for w in (2, "auto")]
+    configs = [(kind, w, "process") for kind in args.kinds
+               for w in [*FIXED.get(kind, args.fixed), "auto"]]
+    configs += [(kind, w, "thread") for kind in args.kinds for w in (CORES, "auto")]
+    configs += [(kind, w, "auto") for kind in args.kinds for w in ("auto",)]
+    epoch_configs = [(kind, w) for kind in args.kinds for w in (CORES, "auto")]
     jobs = [(r, c) for r in range(args.repeats) for c in (configs if r % 2 == 0 else configs[::-1])]
     results: dict[tuple, list[dict]] = {c: [] for c in configs}
     for _, config in progress(jobs, total=len(jobs), desc="runs"):
         results[config].append(run(*config, args))
+    epochs: dict[tuple, list[float]] = {c: [] for c in epoch_configs}
+    for _, config in progress([(r, c) for r in range(args.repeats) for c in epoch_configs],
+                              total=args.repeats * len(epoch_configs), desc="first epochs"):
+        epochs[config].append(first_epoch(*config, args))
 
     summary = []
     print(f"\nstep {args.step_ms} ms; batches/s over batches {args.batches - args.measure}-"
@@ -123,8 +156,21 @@ def main() -> None:
         print(f"| {kind} | {best['workers']} workers, {best['batches_per_s']:.1f} "
               f"| {auto['batches_per_s']:.1f} ({auto['settled']:g} workers) "
               f"| **{auto['batches_per_s'] / best['batches_per_s']:.2f}** |")
+    print("\n| dataset | worker_mode='auto' with num_workers='auto' chose |\n|---|---|")
+    for kind in args.kinds:
+        runs = results[(kind, "auto", "auto")]
+        chosen = [d for d in runs[0]["decisions"] if d.startswith("worker_mode auto")]
+        print(f"| {kind} | {chosen[0] if chosen else 'undecided'} |")
+    print(f"\nfirst epoch of 10 batches, start-up included (batches/s, medians of "
+          f"{args.repeats})\n")
+    print(f"| dataset | num_workers={CORES} | auto | auto / {CORES} |\n|---|---|---|---|")
+    for kind in args.kinds:
+        fixed = statistics.median(epochs[(kind, CORES)])
+        auto_rate = statistics.median(epochs[(kind, "auto")])
+        print(f"| {kind} | {fixed:.1f} | {auto_rate:.1f} | **{auto_rate / fixed:.2f}** |")
     if args.json:
-        args.json.write_text(json.dumps(summary, indent=2))
+        args.json.write_text(json.dumps({"summary": summary, "first_epochs": {
+            f"{k}/{w}": v for (k, w), v in epochs.items()}}, indent=2))
 
 
 if __name__ == "__main__":

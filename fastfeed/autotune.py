@@ -6,8 +6,10 @@ idle, keeps it only if throughput rises by at least ``gain``, retires one while 
 never waits, and undoes a retirement that made the consumer wait. A count found wanting
 becomes a bound for the rest of the tuner's life, so it settles instead of oscillating; after
 undoing a move it also holds still for ``cooldown`` windows. Bounds: at least 1 worker, at
-most the cores in the affinity mask and what the memory budget allows. The decision logic
-takes numbers, not clocks, so it is unit-tested on simulated rates.
+most what the memory budget allows and a cap of a few workers per core: more workers than
+cores pay when they wait on storage (a network file system, an object store), which shows as
+idle cores while the consumer waits. The decision logic takes numbers, not clocks, so it is
+unit-tested on simulated rates.
 """
 
 from __future__ import annotations
@@ -32,11 +34,19 @@ def memory_cap(share: float = 0.5) -> int:
     return max(1, int(available * share) // worker)
 
 
+# Workers per core the tuner may reach, when they wait on I/O rather than compute.
+_WORKERS_PER_CORE = 4
+_MAX_WORKERS = 64
+
+
 def initial_workers() -> tuple[int, int]:
-    """``(start, maximum)``: start one short of the cores (the main process needs one too),
-    capped at 4 so that the tuner, not the guess, decides on big machines."""
-    maximum = max(1, min(available_cpus(), memory_cap()))
-    return max(1, min(maximum - 1, 4)), maximum
+    """``(start, maximum)``: start where a user would (a worker per core, at most 8), so that
+    "auto" never begins below a plain ``num_workers=<cores>``; the maximum leaves room for
+    I/O-bound workers, within the memory budget."""
+    cores = available_cpus()
+    budget = memory_cap()
+    maximum = max(1, min(max(16, _WORKERS_PER_CORE * cores), _MAX_WORKERS, budget))
+    return max(1, min(cores, 8, maximum)), maximum
 
 
 class CpuMeter:
@@ -95,6 +105,12 @@ class WorkerTuner:
         self._before: Window | None = None  # the window before the last move
         self._hold = 0
         self.log: list[str] = []
+
+    def restart(self, workers: int) -> None:
+        """A new iterator starts ``workers`` workers: keep the bounds learned so far, forget
+        a move still waiting for its verdict (its windows were cut short)."""
+        self.workers = max(self.minimum, min(workers, self.maximum))
+        self._last_move, self._before, self._hold = 0, None, 0
 
     def observe(self, window: Window) -> int:
         """Feed one window; return the worker count to use from now on."""

@@ -249,12 +249,16 @@ class FastLoader(DataLoader):
     def _iterator_setup(self) -> IteratorSetup:
         """Everything fastfeed decides for the next iterator (see ``iterators/setup.py``)."""
         # Replicas of an IterableDataset shard by worker count: keep it fixed.
-        tunes = self.autotune and not is_iterable_dataset(self.dataset)
+        tuner = None
+        if self.autotune and not is_iterable_dataset(self.dataset):
+            tuner = self._learned.tuner or WorkerTuner(self.num_workers, self._max_workers)
+            tuner.restart(self.num_workers)
+            self._learned.tuner = tuner
         return IteratorSetup(
             telemetry=self._telemetry,
             learned=self._learned,
             worker_mode=self._worker_mode_for_next_iterator(),
-            tuner=WorkerTuner(self.num_workers, self._max_workers) if tunes else None,
+            tuner=tuner,
             pin_ring=self._pins_host_memory,
             # ready batches, plus the one being copied
             held_by_prefetch=0 if self.device is None else self.prefetch_depth + 1,
@@ -317,5 +321,6 @@ class FastLoader(DataLoader):
         setup = self._iterator_setup()
         if self.num_workers == 0:
             return SingleProcessIterator(self, setup)
-        self.check_worker_number_rationality()
+        if not self.autotune:  # "auto" goes past the cores only when that measured faster
+            self.check_worker_number_rationality()
         return WorkerPoolIterator(self, setup)

@@ -1,6 +1,7 @@
 """The tuner's decisions on simulated rates: no clocks, no processes."""
 
-from fastfeed.autotune import Window, WorkerTuner, initial_workers
+from fastfeed._proc import available_cpus
+from fastfeed.autotune import Window, WorkerTuner, initial_workers, memory_cap
 
 
 def simulate(tuner, rate_of, wait_of, idle=1.0, windows=30):
@@ -47,3 +48,28 @@ def test_never_exceeds_maximum_or_adds_without_a_free_core():
 def test_initial_guess_is_within_bounds():
     start, maximum = initial_workers()
     assert 1 <= start <= maximum
+
+
+def test_io_bound_workers_grow_past_the_cores():
+    # Workers that wait on storage: throughput rises to 10 workers while the two cores idle.
+    rate = lambda n: min(n, 10) * 10.0  # noqa: E731
+    wait = lambda n: 0.0 if n >= 10 else 0.8  # noqa: E731
+    cores = 2
+    tuner = WorkerTuner(cores, maximum=16)
+    counts = simulate(tuner, rate, wait, idle=1.6, windows=40)
+    assert counts[-1] == 10 and max(counts) <= 11
+    assert all("a core is free" in line for line in tuner.log[:8])
+
+
+def test_a_new_iterator_keeps_what_the_tuner_learned():
+    tuner = WorkerTuner(2, maximum=8)
+    simulate(tuner, lambda n: 20.0, lambda n: 0.3)  # a third worker did not pay
+    tuner.restart(2)
+    assert max(simulate(tuner, lambda n: 20.0, lambda n: 0.3)) == 2
+
+
+def test_starts_where_a_user_would():
+    start, maximum = initial_workers()
+    cores = available_cpus()
+    assert start == min(cores, 8, maximum)
+    assert maximum > cores or maximum == memory_cap()  # room to grow past the cores

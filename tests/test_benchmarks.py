@@ -26,3 +26,17 @@ def test_overhead_quick(tmp_path):
     rows = json.loads((tmp_path / "o.json").read_text())["rows"]
     assert len(rows) == 1 and rows[0]["ratio"] > 0
     assert "| uint8 | 128 |" in out
+
+
+def test_overhead_cold_with_its_bound(tmp_path):
+    out = run("overhead.py", "--cold", "--cold-gb", "0.05", "--repeats", "1",
+              "--json", str(tmp_path / "c.json"))
+    figures = json.loads((tmp_path / "c.json").read_text())
+    assert figures["medians"]["fastfeed"] > 0 and figures["bounds"]["two_processes"] > 0
+    assert "% of best bound" in out
+
+
+def test_autotune_io_rows(tmp_path):
+    out = run("autotune.py", "--kinds", "io", "--batches", "12", "--measure", "4",
+              "--repeats", "1", "--json", str(tmp_path / "a.json"))
+    assert "| io |" in out and "first epoch of 10 batches" in out

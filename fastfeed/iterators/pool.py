@@ -36,8 +36,11 @@ __all__ = ["WorkerPoolIterator"]
 _LIVENESS_INTERVAL = 0.1
 # Beyond the slots of in-flight tasks: the batch being decoded and the one the user still holds.
 _SPARE_SLOTS = 2
-# Batches per tuner window.
+# A tuner window closes after this many batches or this many seconds (with at least
+# _TUNER_MIN_BATCHES), so that short epochs and the first seconds of a run are tuned too.
 _TUNER_WINDOW = 20
+_TUNER_WINDOW_S = 0.5
+_TUNER_MIN_BATCHES = 3
 
 _python_exiting = False
 
@@ -180,6 +183,8 @@ class WorkerPoolIterator(BaseIterator):
             for task in self._tasks.values():
                 if not task.done:
                     self._release(task.slot_id)
+            for worker_id in self._retired:  # every result of theirs is in by now
+                self._stop_worker(worker_id)
         self._epoch_clock = time.perf_counter()
         self._send_idx = 0
         self._rcvd_idx = 0
@@ -352,6 +357,8 @@ class WorkerPoolIterator(BaseIterator):
 
     def _process(self, task: _Task) -> Any:
         self._workers_num_tasks[task.worker_id] -= 1
+        if task.worker_id in self._retired and not self._workers_num_tasks[task.worker_id]:
+            self._stop_worker(task.worker_id)  # its last batch is in: it may exit now
         self._try_put_index()
         if isinstance(task.result, ExceptionWrapper):
             _reraise(task.result)
@@ -375,10 +382,13 @@ class WorkerPoolIterator(BaseIterator):
         if self._tuner is None:
             return
         self._window_batches += 1
-        if self._window_batches < _TUNER_WINDOW:
-            return
         now, waited = time.perf_counter(), self._telemetry.waited
-        (start, start_waited), self._window = self._window, (now, waited)
+        start, start_waited = self._window
+        long_enough = (self._window_batches >= _TUNER_MIN_BATCHES
+                       and now - start >= _TUNER_WINDOW_S)
+        if self._window_batches < _TUNER_WINDOW and not long_enough:
+            return
+        self._window = (now, waited)
         batches, self._window_batches = self._window_batches, 0
         elapsed = now - start
         if elapsed <= 0:
@@ -397,10 +407,14 @@ class WorkerPoolIterator(BaseIterator):
             self._workers_status.append(True)
             self._workers_num_tasks.append(0)
         while self._active > wanted:
-            # The newest active worker finishes its queued tasks, then exits.
+            # The newest active worker gets no more tasks, and exits once the main process
+            # has received its last batch: a batch outside the ring is fetched from the
+            # worker that made it, which must still be alive then.
             worker_id = max(set(range(len(self._workers))) - self._retired)
             self._retired.add(worker_id)
-            self._stop_worker(worker_id)
+            self._workers_status[worker_id] = False
+            if not self._workers_num_tasks[worker_id]:
+                self._stop_worker(worker_id)
         if self._ring is not None and not self._fixed_ring_size:
             self._ring.max_slots = self._max_slots(self._active)
         self._learned.workers = self._active  # where the next epoch's workers start

@@ -24,6 +24,7 @@ class Learned:
     ring_slot_bytes: int = 0  # so that later epochs' rings start at the right size
     epoch_rates: dict[str, float] = field(default_factory=dict)  # first epoch, per worker mode
     workers: int | None = None  # where the tuner settled
+    tuner: WorkerTuner | None = None  # one per loader: its bounds hold across epochs
     resume: LoaderState | None = None  # from load_state_dict, for the next epoch to start
 
     def take_resume(self) -> LoaderState | None:
