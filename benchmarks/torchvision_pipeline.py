@@ -8,6 +8,8 @@ persistent workers: what ``examples/train_resnet.py``-style scripts use. Configu
 - ``swap``: ``FastLoader`` with the same arguments (the one-import change).
 - ``accelerate``: ``FastLoader`` over ``fastfeed.vision.accelerate(dataset)``.
 - ``accelerate-threads``: the same with ``worker_mode="thread"``.
+- ``swap-auto``: the swap with ``num_workers="auto", worker_mode="auto"`` (not in the default
+  set; ``--configs stock,swap,swap-auto``).
 
 Each run is a fresh process that builds the loader, runs one warm-up epoch, then times
 ``--epochs`` epochs; configurations alternate order from repeat to repeat; the table gives the
@@ -31,6 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 CONFIGS = ("stock", "swap", "accelerate", "accelerate-threads")
+EXTRA_CONFIGS = ("swap-auto",)
 
 
 def epochs_per_s(config: str, root: Path, workers: int, batch_size: int, epochs: int
@@ -46,6 +49,8 @@ def epochs_per_s(config: str, root: Path, workers: int, batch_size: int, epochs:
               "persistent_workers": True}
     if config == "stock":
         loader = DataLoader(dataset, **kwargs)
+    elif config == "swap-auto":
+        loader = FastLoader(dataset, **{**kwargs, "num_workers": "auto"}, worker_mode="auto")
     else:
         mode = "thread" if config.endswith("threads") else "process"
         loader = FastLoader(dataset, worker_mode=mode, **kwargs)
