@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.interleaved import interleaved_rates, print_ratio_table
 
 CONFIGS = ("stock", "swap", "accelerate", "accelerate-threads")
 EXTRA_CONFIGS = ("swap-auto",)
@@ -85,7 +85,6 @@ def main() -> None:
         return
 
     from fastfeed.bench.data import CACHE
-    from fastfeed.progress import progress
     from fastfeed.vision.synthetic import make_imagefolder
 
     root = args.data
@@ -93,32 +92,14 @@ def main() -> None:
         root = CACHE / f"imagenet-like-{args.images}"
         if not root.exists():
             make_imagefolder(root, args.images, classes=50)
-    configs = args.configs.split(",")
-    jobs = [c for r in range(args.repeats) for c in (configs if r % 2 == 0 else configs[::-1])]
-    rates: dict[str, list[float]] = {c: [] for c in configs}
-    for config in progress(jobs, total=len(jobs), desc="torchvision pipeline"):
-        out = subprocess.run(
-            [sys.executable, __file__, "--one", config, "--data", str(root),
-             "--workers", str(args.workers), "--batch-size", str(args.batch_size),
-             "--epochs", str(args.epochs)], capture_output=True, text=True, check=False)
-        if out.returncode:
-            sys.exit(f"{config} failed:\n{out.stderr}")
-        rates[config] += json.loads(out.stdout.strip().splitlines()[-1])
-
-    medians = {c: statistics.median(r) for c, r in rates.items()}
-    base = medians.get("stock")
+    rates = interleaved_rates(
+        __file__, args.configs.split(","), args.repeats,
+        ["--data", str(root), "--workers", str(args.workers), "--batch-size",
+         str(args.batch_size), "--epochs", str(args.epochs)], desc="torchvision pipeline")
     title = (f"torchvision ImageFolder + classic transforms, {root.name}: batch "
              f"{args.batch_size}, {args.workers} workers, median of {args.repeats} runs × "
              f"{args.epochs} epochs")
-    print(title)
-    print("| loader | images/s | vs stock |\n|---|---|---|")
-    for config, value in medians.items():
-        ratio = f"**{value / base:.2f}×**" if base else "n/a"
-        print(f"| {config} | {value:,.0f} | {ratio} |")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"title": title, "rates": rates, "medians": medians},
-                                        indent=2))
+    print_ratio_table(title, rates, json_path=args.json)
 
 
 if __name__ == "__main__":

@@ -98,6 +98,16 @@ class DeviceIterator:
         # torch's own iterators (used for DataPipes) keep no snapshot.
         return self._host.state_dict() if hasattr(self._host, "state_dict") else None
 
+    def close(self) -> None:
+        """Drop the batches copied ahead, then close the host iterator."""
+        if self._stream is not None:
+            self._stream.synchronize()  # the copies still read the host batches
+        self._ready.clear()
+        self._in_flight.clear()
+        self._exhausted = True
+        if hasattr(self._host, "close"):
+            self._host.close()
+
     def _stage(self, host_batch: Any) -> tuple[Any, Any, Any]:
         if self._stream is None:
             return self._copy_and_transform(host_batch), None, None

@@ -170,5 +170,8 @@ class BaseIterator:
     def __len__(self) -> int:
         return len(self._index_sampler)
 
+    def close(self) -> None:
+        """Stop the workers and free the ring now, not when the iterator is collected."""
+
     def __getstate__(self) -> Any:
         raise NotImplementedError(f"{type(self).__name__} cannot be pickled")

@@ -441,6 +441,9 @@ class WorkerPoolIterator(BaseIterator):
                 self._learned.ring_slot_bytes = self._ring.slot_bytes
                 self._ring.close()
 
+    def close(self) -> None:
+        self._shutdown_workers()
+
     def __del__(self) -> None:
         if hasattr(self, "_shutdown_lock"):
             self._shutdown_workers(wait=False)

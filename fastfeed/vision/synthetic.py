@@ -54,15 +54,17 @@ def make_imagefolder(root: str | Path, images: int = 1000, classes: int = 10,
 
 
 def make_yolo(root: str | Path, images: int = 200, classes: int = 8, quality: int = 90,
-              seed: int = 0) -> Path:
+              seed: int = 0, widths: tuple[int, int] = (480, 1280)) -> Path:
     """A YOLO-format set ``root/images/*.jpg`` + ``root/labels/*.txt`` (0–6 boxes each;
-    about one image in ten has no label file, as background images do)."""
+    about one image in ten has no label file, as background images do). Widths are drawn
+    from ``widths``, heights from three quarters of that range."""
     root = Path(root)
     (root / "images").mkdir(parents=True, exist_ok=True)
     (root / "labels").mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
     for i in progress(range(images), total=images, desc=f"detection -> {root}"):
-        width, height = int(rng.uniform(480, 1280)), int(rng.uniform(360, 960))
+        width = int(rng.uniform(*widths))
+        height = int(rng.uniform(0.75 * widths[0], 0.75 * widths[1]))
         make_image(rng, width, height).save(root / "images" / f"{i:05d}.jpg", quality=quality)
         if rng.random() < 0.1:
             continue

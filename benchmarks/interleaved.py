@@ -1,0 +1,50 @@
+"""Run configurations in fresh processes, interleaved, and tabulate medians against stock.
+
+On a small, noisy machine absolute times drift; alternating the order of configurations from
+repeat to repeat spreads the drift over all of them.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from fastfeed.progress import progress
+
+__all__ = ["interleaved_rates", "print_ratio_table"]
+
+
+def interleaved_rates(script: str | Path, configs: Sequence[str], repeats: int,
+                      child_args: Sequence[str], desc: str) -> dict[str, list[float]]:
+    """Run ``script --one CONFIG *child_args`` ``repeats`` times per configuration; each child
+    prints a JSON list of rates on its last line. Returns every rate per configuration."""
+    jobs = [c for r in range(repeats) for c in (configs if r % 2 == 0 else configs[::-1])]
+    rates: dict[str, list[float]] = {c: [] for c in configs}
+    for config in progress(jobs, total=len(jobs), desc=desc):
+        out = subprocess.run([sys.executable, str(script), "--one", config, *child_args],
+                             capture_output=True, text=True, check=False)
+        if out.returncode:
+            sys.exit(f"{config} failed:\n{out.stderr}")
+        rates[config] += json.loads(out.stdout.strip().splitlines()[-1])
+    return rates
+
+
+def print_ratio_table(title: str, rates: dict[str, list[float]], unit: str = "images/s",
+                      json_path: Path | None = None) -> dict[str, float]:
+    """Print a markdown table of medians and their ratio to ``stock``; optionally save JSON."""
+    medians = {c: statistics.median(r) for c, r in rates.items()}
+    base = medians.get("stock")
+    print(title)
+    print(f"| loader | {unit} | vs stock |\n|---|---|---|")
+    for config, value in medians.items():
+        ratio = f"**{value / base:.2f}×**" if base else "n/a"
+        print(f"| {config} | {value:,.0f} | {ratio} |")
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps({"title": title, "rates": rates, "medians": medians},
+                                        indent=2))
+    return medians

@@ -1,0 +1,156 @@
+"""Ultralytics' own YOLO training data path under its stock loader and under fastfeed.
+
+Ultralytics' ``YOLODataset`` in train mode (mosaic, random perspective, HSV, flip) at
+``--imgsz``, built by its own ``build_dataset``/``build_dataloader``, batch 16, shuffled, with its
+collate_fn, seed_worker and seeded generator: the loader ``model.train()`` iterates.
+Configurations:
+
+- ``stock``: Ultralytics' ``InfiniteDataLoader`` (a ``torch.utils.data.DataLoader``).
+- ``patched``: after ``fastfeed.ultralytics.patch()`` (the one line).
+- ``patched-fast``: ``patch(fast_decode=True)``: large JPEGs decoded at a reduced DCT scale.
+- ``patched-threads``: ``patch(worker_mode="thread")`` (not in the default set).
+
+Each run is a fresh process: one warm-up epoch (workers start, mosaic buffers fill), then
+``--epochs`` timed epochs; configurations alternate order from repeat to repeat; the table gives
+the median images/s over every timed epoch of every repeat.
+
+The images are photographs, not drawings: collages of Ultralytics' own sample photos
+(``bus.jpg``, ``zidane.jpg``) with mild sensor noise, JPEG q90, about 2 bits per pixel as
+camera JPEGs are; 1 to 7 labelled boxes each. Generated on first use, never committed.
+
+    python benchmarks/ultralytics_pipeline.py --widths 1280,1920 --json benchmarks/out/yolo.json
+    python benchmarks/ultralytics_pipeline.py --widths 480,800 --json benchmarks/out/yolo-s.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.interleaved import interleaved_rates, print_ratio_table
+
+CONFIGS = ("stock", "patched", "patched-fast")
+PATCHES = {"patched": {}, "patched-fast": {"fast_decode": True},
+           "patched-threads": {"worker_mode": "thread"}}
+
+
+def make_photo_yolo(root: Path, images: int, widths: tuple[int, int], seed: int = 0) -> Path:
+    """``root/images/*.jpg`` + ``root/labels/*.txt``: collages of Ultralytics' sample photos."""
+    import cv2
+    import ultralytics
+
+    from fastfeed.progress import progress
+
+    assets = Path(ultralytics.__file__).parent / "assets"
+    photos = [cv2.imread(str(assets / name)) for name in ("bus.jpg", "zidane.jpg")]
+    rng = np.random.default_rng(seed)
+    (root / "images").mkdir(parents=True, exist_ok=True)
+    (root / "labels").mkdir(parents=True, exist_ok=True)
+    for i in progress(range(images), total=images, desc=f"photos -> {root}"):
+        width = int(rng.integers(widths[0], widths[1] + 1))
+        height = int(width * rng.uniform(0.56, 0.75))
+        canvas = np.empty((height, width, 3), np.uint8)
+        x = 0
+        while x < width:  # vertical strips cut from a randomly scaled, maybe mirrored photo
+            photo = photos[rng.integers(len(photos))]
+            scale = height / photo.shape[0] * rng.uniform(1.0, 1.5)
+            tile = cv2.resize(photo, (int(photo.shape[1] * scale) + 1,
+                                      int(photo.shape[0] * scale) + 1))
+            top = int(rng.integers(0, tile.shape[0] - height + 1))
+            strip_width = min(int(rng.integers(width // 4, width // 2 + 1)), tile.shape[1],
+                              width - x)
+            left = int(rng.integers(0, tile.shape[1] - strip_width + 1))
+            strip = tile[top:top + height, left:left + strip_width]
+            canvas[:, x:x + strip_width] = strip[:, ::-1] if rng.random() < 0.5 else strip
+            x += strip_width
+        noisy = np.clip(canvas + rng.normal(0, 2, canvas.shape), 0, 255).astype(np.uint8)
+        cv2.imwrite(str(root / "images" / f"{i:05d}.jpg"), noisy, [cv2.IMWRITE_JPEG_QUALITY, 90])
+        rows = []
+        for _ in range(int(rng.integers(1, 8))):
+            w, h = rng.uniform(0.05, 0.4, size=2)
+            cx, cy = rng.uniform(w / 2, 1 - w / 2), rng.uniform(h / 2, 1 - h / 2)
+            rows.append(f"{int(rng.integers(8))} {cx:.6f} {cy:.6f} {w:.6f} {h:.6f}")
+        (root / "labels" / f"{i:05d}.txt").write_text("\n".join(rows) + "\n")
+    return root
+
+
+def images_per_s(config: str, root: Path, imgsz: int, workers: int, batch_size: int,
+                 epochs: int) -> list[float]:
+    """Images/s of each timed epoch of one configuration (run in this process)."""
+    os.environ["YOLO_OFFLINE"] = "1"
+    import torch
+    from ultralytics.cfg import get_cfg
+    from ultralytics.data import build_dataloader, build_yolo_dataset
+    from ultralytics.utils import DEFAULT_CFG
+
+    import fastfeed.ultralytics
+
+    if config != "stock":
+        fastfeed.ultralytics.patch(**PATCHES[config])
+    torch.manual_seed(0)
+    cfg = get_cfg(DEFAULT_CFG, {"imgsz": imgsz})
+    data = {"names": {i: str(i) for i in range(8)}, "nc": 8, "channels": 3}
+    dataset = build_yolo_dataset(cfg, str(root / "images"), batch_size, data, mode="train")
+    loader = build_dataloader(dataset, batch_size, workers, shuffle=True, rank=-1)
+    rates = []
+    for epoch in range(epochs + 1):
+        start, images = time.perf_counter(), 0
+        for batch in loader:
+            images += len(batch["img"])
+        if epoch:
+            rates.append(images / (time.perf_counter() - start))
+    loader.close()
+    return rates
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", type=Path, default=None,
+                        help="a YOLO folder with images/ and labels/ (default: generated)")
+    parser.add_argument("--images", type=int, default=400)
+    parser.add_argument("--widths", default="1280,1920", help="generated image widths: lo,hi")
+    parser.add_argument("--imgsz", type=int, default=640)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--epochs", type=int, default=2, help="timed epochs per run")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # a child process: one configuration
+    args = parser.parse_args()
+
+    if args.one:
+        print(json.dumps(images_per_s(args.one, args.data, args.imgsz, args.workers,
+                                      args.batch_size, args.epochs)))
+        return
+
+    from fastfeed.bench.data import CACHE
+
+    lo, hi = (int(w) for w in args.widths.split(","))
+    root = args.data
+    if root is None:
+        root = CACHE / f"yolo-photos-{args.images}-{lo}-{hi}"
+        if not root.exists():
+            make_photo_yolo(root, args.images, (lo, hi))
+    rates = interleaved_rates(
+        __file__, args.configs.split(","), args.repeats,
+        ["--data", str(root), "--imgsz", str(args.imgsz), "--workers", str(args.workers),
+         "--batch-size", str(args.batch_size), "--epochs", str(args.epochs)],
+        desc="ultralytics pipeline")
+    title = (f"Ultralytics YOLODataset (train augmentations), {root.name}, imgsz {args.imgsz}: "
+             f"batch {args.batch_size}, {args.workers} workers, median of {args.repeats} runs × "
+             f"{args.epochs} epochs")
+    print_ratio_table(title, rates, json_path=args.json)
+
+
+if __name__ == "__main__":
+    main()

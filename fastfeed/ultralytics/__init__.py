@@ -1,0 +1,89 @@
+"""One line for Ultralytics YOLO training: its loaders become FastLoaders.
+
+.. code-block:: python
+
+    import fastfeed.ultralytics
+    from ultralytics import YOLO
+
+    fastfeed.ultralytics.patch()
+    YOLO("yolov8n.yaml").train(data="coco8.yaml", epochs=3, workers=8)
+
+Ultralytics builds every loader (train, val, INT8 calibration) in
+``ultralytics.data.build.build_dataloader``, from its ``InfiniteDataLoader`` class. :func:`patch`
+puts :class:`InfiniteFastLoader` in that class's place, so the loaders are FastLoaders built with
+exactly Ultralytics' arguments: its seeded generator, ``seed_worker``, ``prefetch_factor``,
+samplers under DDP, ``collate_fn`` and ``drop_last``. Batches equal the stock loader's.
+
+Ultralytics is optional: ``pip install fastfeed[ultralytics]``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from torch.utils.data import DataLoader
+
+from fastfeed.loader import FastLoader
+from fastfeed.ultralytics.loader import InfiniteFastLoader
+
+__all__ = ["InfiniteFastLoader", "is_patched", "patch", "unpatch"]
+
+# FastLoader keywords that DataLoader does not have: Ultralytics never passes them.
+FASTLOADER_OPTIONS = frozenset(inspect.signature(FastLoader).parameters) - frozenset(
+    inspect.signature(DataLoader).parameters)
+
+_originals: dict[str, Any] = {}
+
+
+def patch(fast_decode: bool = False, **fastloader_options: Any) -> None:
+    r"""Make Ultralytics load its batches with :class:`InfiniteFastLoader`.
+
+    Call it once before ``model.train(...)``. Calling it again replaces the options; the
+    loaders built before a call keep what they were built with.
+
+    Args:
+        fast_decode (bool): decode JPEGs at least twice ``imgsz`` at a reduced DCT scale
+            (see :mod:`fastfeed.ultralytics.decode`). Output sizes are Ultralytics'; pixels
+            differ slightly from its full-size decode, so this is opt-in. Default: ``False``.
+        **fastloader_options: :class:`~fastfeed.FastLoader` keywords that ``DataLoader`` does
+            not have, for every loader Ultralytics builds: for example ``worker_mode="thread"``
+            or ``log_every=100``.
+
+    Raises:
+        ImportError: Ultralytics is not installed.
+        TypeError: an option is not a FastLoader-only keyword.
+
+    .. note:: Ultralytics runs multi-GPU training in a subprocess that imports a script it
+       writes itself; the patch does not reach it. Single-GPU and CPU training are patched.
+    """
+    unknown = sorted(set(fastloader_options) - FASTLOADER_OPTIONS)
+    if unknown:
+        raise TypeError(f"patch() got {unknown}, which are not FastLoader options; "
+                        f"it takes {sorted(FASTLOADER_OPTIONS)}")
+    from ultralytics.data import base, build
+
+    from fastfeed.ultralytics.decode import reduced_load_image
+
+    _originals.setdefault("InfiniteDataLoader", build.InfiniteDataLoader)
+    _originals.setdefault("load_image", base.BaseDataset.load_image)
+    build.InfiniteDataLoader = type(InfiniteFastLoader.__name__, (InfiniteFastLoader,),
+                                    {"fastloader_options": dict(fastloader_options),
+                                     "__module__": __name__})
+    base.BaseDataset.load_image = (reduced_load_image(_originals["load_image"]) if fast_decode
+                                   else _originals["load_image"])
+
+
+def unpatch() -> None:
+    """Give Ultralytics back its own loader and image reader."""
+    if not _originals:
+        return
+    from ultralytics.data import base, build
+
+    build.InfiniteDataLoader = _originals.pop("InfiniteDataLoader")
+    base.BaseDataset.load_image = _originals.pop("load_image")
+
+
+def is_patched() -> bool:
+    """Whether :func:`patch` is in effect."""
+    return bool(_originals)

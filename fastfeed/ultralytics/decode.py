@@ -1,0 +1,103 @@
+"""Ultralytics' ``BaseDataset.load_image``, decoding large JPEGs at a reduced DCT scale.
+
+Ultralytics decodes every image at full size, then shrinks its long side to ``imgsz`` with
+``cv2.resize`` (bilinear). An image at least twice ``imgsz`` can be decoded by libjpeg straight
+at 1/2, 1/4 or 1/8 scale (OpenCV's ``IMREAD_REDUCED_COLOR_*``), which skips most of the inverse
+DCT and colour conversion and leaves the resize a smaller image to read. The same
+``cv2.resize`` then gives the same output size; pixels differ by the DCT scaling, a little
+smoother than the full-size decode's bilinear shrink (see ``docs/ultralytics.md`` for the
+measured difference).
+
+Everything else takes Ultralytics' own path: images in RAM, ``.npy`` caches, other formats,
+grey-scale datasets, images under twice ``imgsz``, and the short-side and stretch modes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import cv2
+import numpy as np
+
+from fastfeed.vision.decode import DecodeError, image_size
+
+__all__ = ["dct_scale", "reduced_load_image", "target_size"]
+
+_REDUCED_FLAGS = {2: cv2.IMREAD_REDUCED_COLOR_2, 4: cv2.IMREAD_REDUCED_COLOR_4,
+                  8: cv2.IMREAD_REDUCED_COLOR_8}
+_JPEG_SUFFIXES = (".jpg", ".jpeg")
+
+LoadImage = Callable[..., tuple[np.ndarray, tuple[int, int], tuple[int, int]]]
+
+
+def target_size(height: int, width: int, imgsz: int) -> tuple[int, int]:
+    """``(width, height)`` after Ultralytics scales the long side to ``imgsz``."""
+    r = imgsz / max(height, width)
+    return min(math.ceil(width * r), imgsz), min(math.ceil(height * r), imgsz)
+
+
+def dct_scale(height: int, width: int, size: tuple[int, int]) -> int:
+    """The coarsest libjpeg scale denominator whose decode still covers ``size``: 8, 4, 2 or 1."""
+    for denominator in (8, 4, 2):
+        if (math.ceil(width / denominator) >= size[0]
+                and math.ceil(height / denominator) >= size[1]):
+            return denominator
+    return 1
+
+
+def _takes_fast_path(dataset: Any, i: int, rect_mode: bool, resize_short: bool) -> bool:
+    return (dataset.ims[i] is None and rect_mode and not resize_short
+            and dataset.cv2_flag == cv2.IMREAD_COLOR
+            and str(dataset.im_files[i]).lower().endswith(_JPEG_SUFFIXES)
+            and dataset.cache != "disk" and not Path(dataset.npy_files[i]).exists())
+
+
+def _decode_reduced(path: str, imgsz: int) -> tuple[np.ndarray, tuple[int, int]] | None:
+    """The image at a reduced scale, resized as Ultralytics would, and its full ``(h, w)``;
+    ``None`` when the reduced decode would not pay or the file is not what its header said."""
+    data = np.fromfile(path, np.uint8)
+    try:
+        width, height = image_size(data.tobytes(), path)
+    except DecodeError:
+        return None  # Ultralytics' own reader gives its own error
+    denominator = dct_scale(height, width, target_size(height, width, imgsz))
+    if denominator == 1:
+        return None
+    image = cv2.imdecode(data, _REDUCED_FLAGS[denominator])
+    if image is None:
+        return None
+    decoded = image.shape[:2]
+    if decoded == (math.ceil(width / denominator), math.ceil(height / denominator)):
+        height, width = width, height  # OpenCV applied an EXIF rotation of 90 or 270 degrees
+    elif decoded != (math.ceil(height / denominator), math.ceil(width / denominator)):
+        return None
+    image = cv2.resize(image, target_size(height, width, imgsz), interpolation=cv2.INTER_LINEAR)
+    return image, (height, width)
+
+
+def reduced_load_image(original: LoadImage) -> LoadImage:
+    """Wrap ``BaseDataset.load_image`` (``original``) with the reduced-scale decode."""
+
+    def load_image(self: Any, i: int, rect_mode: bool = True, resize_short: bool = False
+                   ) -> tuple[np.ndarray, tuple[int, int], tuple[int, int]]:
+        if not _takes_fast_path(self, i, rect_mode, resize_short):
+            return original(self, i, rect_mode, resize_short)
+        imgsz = max(self.imgsz) if isinstance(self.imgsz, (tuple, list)) else self.imgsz
+        decoded = _decode_reduced(str(self.im_files[i]), imgsz)
+        if decoded is None:
+            return original(self, i, rect_mode, resize_short)
+        image, original_hw = decoded
+        # Ultralytics' mosaic buffer, kept exactly as its load_image keeps it.
+        if self.augment and self.cache != "ram":
+            self.ims[i], self.im_hw0[i], self.im_hw[i] = image, original_hw, image.shape[:2]
+            self.buffer.append(i)
+            if 1 < len(self.buffer) >= self.max_buffer_length:
+                j = self.buffer.pop(0)
+                self.ims[j], self.im_hw0[j], self.im_hw[j] = None, None, None
+        return image, original_hw, image.shape[:2]
+
+    load_image.__wrapped__ = original  # type: ignore[attr-defined]
+    return load_image

@@ -1,0 +1,70 @@
+"""``InfiniteFastLoader``: a FastLoader with the contract of Ultralytics' ``InfiniteDataLoader``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, ClassVar
+
+from fastfeed.loader import FastLoader
+
+__all__ = ["InfiniteFastLoader"]
+
+
+class _RepeatBatches:
+    """Yields the batches of ``batch_sampler`` epoch after epoch, forever."""
+
+    def __init__(self, batch_sampler: Any) -> None:
+        self.batch_sampler = batch_sampler
+
+    def __iter__(self) -> Iterator[list[int]]:
+        while True:
+            yield from iter(self.batch_sampler)
+
+    def __len__(self) -> int:
+        return len(self.batch_sampler)
+
+
+class InfiniteFastLoader(FastLoader):
+    r"""A :class:`~fastfeed.FastLoader` that behaves as Ultralytics' ``InfiniteDataLoader``.
+
+    One iterator serves every epoch: its batch sampler repeats forever, so workers start once
+    and each ``for`` loop over the loader takes the next ``len(loader)`` batches from it. The
+    random draws are the stock loader's: the base seed is drawn once, the sampler draws again
+    at every epoch.
+
+    Ultralytics calls :meth:`reset` after changing the dataset (mosaic is switched off for the
+    last ``close_mosaic`` epochs), so that new workers see the change, and :meth:`close` when
+    training ends.
+
+    Takes :class:`~fastfeed.FastLoader`'s arguments; a subclass made by
+    :func:`fastfeed.ultralytics.patch` adds its ``fastloader_options`` to them.
+    """
+
+    fastloader_options: ClassVar[dict[str, Any]] = {}
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **{**self.fastloader_options, **kwargs})
+        if self.batch_sampler is None:
+            raise ValueError("InfiniteFastLoader needs batches: pass a batch_size")
+        # DataLoader forbids setting batch_sampler after __init__; Ultralytics does the same.
+        object.__setattr__(self, "batch_sampler", _RepeatBatches(self.batch_sampler))
+        self.iterator: Any = None
+
+    def __len__(self) -> int:
+        return len(self.batch_sampler)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        if self.iterator is None:
+            self.iterator = super().__iter__()
+        for _ in range(len(self)):
+            yield next(self.iterator)
+
+    def close(self) -> None:
+        """Stop the workers and drop the batches they prepared."""
+        iterator, self.iterator = self.iterator, None
+        if iterator is not None and hasattr(iterator, "close"):
+            iterator.close()
+
+    def reset(self) -> None:
+        """Start new workers on the next epoch, so that they see a changed dataset."""
+        self.close()
