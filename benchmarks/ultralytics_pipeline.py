@@ -18,8 +18,8 @@ The images are photographs, not drawings: collages of Ultralytics' own sample ph
 (``bus.jpg``, ``zidane.jpg``) with mild sensor noise, JPEG q90, about 2 bits per pixel as
 camera JPEGs are; 1 to 7 labelled boxes each. Generated on first use, never committed.
 
-    python benchmarks/ultralytics_pipeline.py --widths 1280,1920 --json benchmarks/out/yolo.json
-    python benchmarks/ultralytics_pipeline.py --widths 480,800 --json benchmarks/out/yolo-s.json
+    python benchmarks/ultralytics_pipeline.py --pixels --json benchmarks/out/yolo-large.json
+    python benchmarks/ultralytics_pipeline.py --widths 480,800 --json benchmarks/out/yolo-small.json
 """
 
 from __future__ import annotations
@@ -111,6 +111,26 @@ def images_per_s(config: str, root: Path, imgsz: int, workers: int, batch_size: 
     return rates
 
 
+def pixel_difference(root: Path, imgsz: int, images: int = 100) -> str:
+    """How far ``fast_decode`` images are from Ultralytics' own, per image (grey levels)."""
+    import cv2
+    from ultralytics.utils.patches import imread
+
+    from fastfeed.ultralytics.decode import _decode, target_size
+
+    means = []
+    for path in sorted((root / "images").glob("*.jpg"))[:images]:
+        full = imread(str(path))
+        stock = cv2.resize(full, target_size(*full.shape[:2], imgsz),
+                           interpolation=cv2.INTER_LINEAR)
+        fast = _decode(str(path), imgsz)
+        assert fast is not None and fast[0].shape == stock.shape
+        means.append(float(np.abs(fast[0].astype(np.int16) - stock.astype(np.int16)).mean()))
+    return (f"fast_decode against Ultralytics' decode, {len(means)} images of {root.name} at "
+            f"imgsz {imgsz}: mean |Δ| per image: median {np.median(means):.2f}, "
+            f"max {max(means):.2f} grey levels")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -125,6 +145,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--pixels", action="store_true",
+                        help="also measure how far fast_decode pixels are from Ultralytics'")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # a child process: one configuration
     args = parser.parse_args()
 
@@ -150,6 +172,8 @@ def main() -> None:
              f"batch {args.batch_size}, {args.workers} workers, median of {args.repeats} runs × "
              f"{args.epochs} epochs")
     print_ratio_table(title, rates, json_path=args.json)
+    if args.pixels:
+        print(pixel_difference(root, args.imgsz))
 
 
 if __name__ == "__main__":

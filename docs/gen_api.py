@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import fastfeed  # noqa: E402
-from fastfeed import transforms, vision  # noqa: E402
+from fastfeed import transforms, ultralytics, vision  # noqa: E402
 
 SECTIONS = [
     ("fastfeed", [fastfeed.FastLoader, fastfeed.LoaderStats, fastfeed.worker_info]),
@@ -26,9 +26,12 @@ SECTIONS = [
         "accelerate", "batch_tail", "image_loader", "ImageFolder", "YoloDataset",
         "ImageCollate", "YoloCollate", "DecodeError", "decode_resized_crop", "parse_labels",
         "roi_decoder_available")]),
+    ("fastfeed.ultralytics", [ultralytics.patch, ultralytics.unpatch, ultralytics.is_patched,
+                              ultralytics.InfiniteFastLoader]),
 ]
 METHODS = {fastfeed.FastLoader: ["state_dict", "load_state_dict", "stats"],
-           fastfeed.LoaderStats: ["summary", "postfix"]}
+           fastfeed.LoaderStats: ["summary", "postfix"],
+           ultralytics.InfiniteFastLoader: ["reset", "close"]}
 
 
 def signature(obj: object) -> str:

@@ -17,9 +17,3 @@ def test_train_resnet_example():
               "--size", "64", "--device", "cpu")
     assert out.returncode == 0, out.stderr
     assert "epoch 0: loss" in out.stdout and "samples/s" in out.stdout
-
-
-def test_yolo_example_without_ultralytics():
-    out = run("train_yolo_ultralytics.py", "--epochs", "2")
-    assert out.returncode == 0, out.stderr
-    assert "epoch 1: loss" in out.stdout

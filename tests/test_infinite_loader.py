@@ -6,13 +6,12 @@ environment); here the same contract is checked against torch's DataLoader.
 
 import pytest
 import torch
+from datasets import RandomAugmentDataset
+from helpers import assert_same
+from procs import assert_no_leaks, snapshot
 from torch.utils.data import DataLoader
 
 from fastfeed.ultralytics import InfiniteFastLoader
-from helpers import assert_same
-from procs import assert_no_leaks, snapshot
-
-from datasets import RandomAugmentDataset
 
 
 def epochs(loader_class, count, **kwargs):

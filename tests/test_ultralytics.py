@@ -7,6 +7,9 @@ import contextlib
 import math
 import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -188,6 +191,14 @@ def test_yolo_training_runs_on_fastloaders(yolo_root, tmp_path):
         child_pids() - before[0], loader_fds() - before_fds)
 
 
+def test_example_trains_with_the_one_line(tmp_path):
+    example = Path(__file__).resolve().parents[1] / "examples" / "train_yolo_ultralytics.py"
+    out = subprocess.run([sys.executable, str(example), "--epochs", "1", "--fast-decode"],
+                         capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "1 epochs completed" in out.stdout + out.stderr
+
+
 # -- the reduced-scale decode ---------------------------------------------------------------
 
 def test_dct_scale_covers_the_output():
@@ -232,16 +243,18 @@ def test_fast_decode_follows_exif_rotation(tmp_path):
     assert abs(fast.astype(float) - stock.astype(float)).mean() <= 3.0
 
 
-def test_fast_decode_leaves_other_images_to_ultralytics(tmp_path):
+def test_fast_decode_is_exact_below_twice_imgsz(tmp_path):
+    """PNGs go to Ultralytics; JPEGs too small to scale decode exactly as Ultralytics does."""
     root = tmp_path / "other"
     (root / "images").mkdir(parents=True)
     (root / "labels").mkdir()
     rng = random.Random(0)
     make_image(rng, 1600, 900).save(root / "images" / "a.png")  # not a JPEG
     make_image(rng, 500, 400).save(root / "images" / "b.jpg")  # under twice imgsz
-    for name in ("a", "b"):
+    make_image(rng, 320, 200).save(root / "images" / "c.jpg")  # imgsz already: no resize
+    for name in ("a", "b", "c"):
         (root / "labels" / f"{name}.txt").write_text("0 0.5 0.5 0.2 0.2\n")
-    for i in range(2):
+    for i in range(3):
         stock, fast = load_both(root, i)
         assert_same([torch.from_numpy(stock[0]), stock[1:]], [torch.from_numpy(fast[0]), fast[1:]])
 

@@ -8,8 +8,9 @@ DCT and colour conversion and leaves the resize a smaller image to read. The sam
 smoother than the full-size decode's bilinear shrink (see ``docs/ultralytics.md`` for the
 measured difference).
 
+JPEGs under twice ``imgsz`` are decoded at full scale, exactly as Ultralytics decodes them.
 Everything else takes Ultralytics' own path: images in RAM, ``.npy`` caches, other formats,
-grey-scale datasets, images under twice ``imgsz``, and the short-side and stretch modes.
+grey-scale datasets, and the short-side and stretch modes.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from fastfeed.vision.decode import DecodeError, image_size
 
 __all__ = ["dct_scale", "reduced_load_image", "target_size"]
 
-_REDUCED_FLAGS = {2: cv2.IMREAD_REDUCED_COLOR_2, 4: cv2.IMREAD_REDUCED_COLOR_4,
-                  8: cv2.IMREAD_REDUCED_COLOR_8}
+_FLAGS = {1: cv2.IMREAD_COLOR, 2: cv2.IMREAD_REDUCED_COLOR_2, 4: cv2.IMREAD_REDUCED_COLOR_4,
+          8: cv2.IMREAD_REDUCED_COLOR_8}
 _JPEG_SUFFIXES = (".jpg", ".jpeg")
 
 LoadImage = Callable[..., tuple[np.ndarray, tuple[int, int], tuple[int, int]]]
@@ -55,18 +56,17 @@ def _takes_fast_path(dataset: Any, i: int, rect_mode: bool, resize_short: bool) 
             and dataset.cache != "disk" and not Path(dataset.npy_files[i]).exists())
 
 
-def _decode_reduced(path: str, imgsz: int) -> tuple[np.ndarray, tuple[int, int]] | None:
-    """The image at a reduced scale, resized as Ultralytics would, and its full ``(h, w)``;
-    ``None`` when the reduced decode would not pay or the file is not what its header said."""
+def _decode(path: str, imgsz: int) -> tuple[np.ndarray, tuple[int, int]] | None:
+    """The image resized as Ultralytics resizes it, and its full ``(h, w)``; ``None`` for a
+    file that is not what its header says (Ultralytics' own reader then reports it)."""
     data = np.fromfile(path, np.uint8)
     try:
         width, height = image_size(data.tobytes(), path)
     except DecodeError:
-        return None  # Ultralytics' own reader gives its own error
-    denominator = dct_scale(height, width, target_size(height, width, imgsz))
-    if denominator == 1:
         return None
-    image = cv2.imdecode(data, _REDUCED_FLAGS[denominator])
+    denominator = dct_scale(height, width, target_size(height, width, imgsz))
+    # At full scale this is exactly Ultralytics' imread of a JPEG, without reading it twice.
+    image = cv2.imdecode(data, _FLAGS[denominator])
     if image is None:
         return None
     decoded = image.shape[:2]
@@ -74,7 +74,9 @@ def _decode_reduced(path: str, imgsz: int) -> tuple[np.ndarray, tuple[int, int]]
         height, width = width, height  # OpenCV applied an EXIF rotation of 90 or 270 degrees
     elif decoded != (math.ceil(height / denominator), math.ceil(width / denominator)):
         return None
-    image = cv2.resize(image, target_size(height, width, imgsz), interpolation=cv2.INTER_LINEAR)
+    if max(height, width) != imgsz:  # Ultralytics resizes whenever the ratio is not 1
+        image = cv2.resize(image, target_size(height, width, imgsz),
+                           interpolation=cv2.INTER_LINEAR)
     return image, (height, width)
 
 
@@ -86,7 +88,7 @@ def reduced_load_image(original: LoadImage) -> LoadImage:
         if not _takes_fast_path(self, i, rect_mode, resize_short):
             return original(self, i, rect_mode, resize_short)
         imgsz = max(self.imgsz) if isinstance(self.imgsz, (tuple, list)) else self.imgsz
-        decoded = _decode_reduced(str(self.im_files[i]), imgsz)
+        decoded = _decode(str(self.im_files[i]), imgsz)
         if decoded is None:
             return original(self, i, rect_mode, resize_short)
         image, original_hw = decoded
