@@ -38,6 +38,14 @@ def _shm() -> str:
     return f"{usage.total / 2**30:.1f} GiB ({usage.free / 2**30:.1f} GiB free)"
 
 
+def _client(distribution: str, missing: str) -> str:
+    """The installed version of a client library (read from its metadata, not imported)."""
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return f"not installed ({missing})"
+
+
 def collect() -> dict[str, str]:
     """Gather the facts ``fastfeed info`` prints, as strings."""
     cuda = torch.cuda.is_available()
@@ -67,6 +75,8 @@ def collect() -> dict[str, str]:
         if nvml.available
         else f"unavailable ({nvml.reason})",
         "DALI": "installed" if dali else "not installed (pip install 'fastfeed[dali]')",
+        "torchvision": _client("torchvision", "fastfeed.vision.accelerate needs it"),
+        "Ultralytics": _client("ultralytics", "pip install 'fastfeed[ultralytics]'"),
         "CPUs (affinity)": str(available_cpus()),
         "/dev/shm": _shm(),
     }
