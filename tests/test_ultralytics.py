@@ -88,6 +88,31 @@ def test_patched_batches_equal_stock(yolo_root, shuffle, workers):
     assert_same(fast, stock)
 
 
+def test_ddp_sampler_batches_equal_stock(yolo_root, tmp_path):
+    """Under DDP Ultralytics passes a DistributedSampler (train) and calls set_epoch."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0,
+                            world_size=1)
+    try:
+        runs = []
+        for patched in (False, True):
+            if patched:
+                fu.patch()
+            torch.manual_seed(0)
+            loader = build_dataloader(dataset(yolo_root)[1], 4, 2, shuffle=True, rank=0)
+            epochs = []
+            for epoch in range(2):
+                loader.sampler.set_epoch(epoch)
+                epochs.append(list(loader))
+            loader.close()
+            runs.append((type(loader.sampler).__name__, epochs))
+        assert runs[0][0] == runs[1][0] == "DistributedSampler"
+        assert_same(runs[1][1], runs[0][1])
+    finally:
+        dist.destroy_process_group()
+
+
 def test_patched_loader_has_ultralytics_arguments(yolo_root):
     fu.patch(log_every=1000)
     torch.manual_seed(0)
