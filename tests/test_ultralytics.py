@@ -33,7 +33,7 @@ from ultralytics.utils.patches import imread  # noqa: E402
 
 import fastfeed.ultralytics as fu  # noqa: E402
 from fastfeed.ultralytics.decode import dct_scale, target_size  # noqa: E402
-from fastfeed.vision.synthetic import make_image, make_yolo  # noqa: E402
+from fastfeed.vision.synthetic import make_image, make_imagefolder, make_yolo  # noqa: E402
 
 NAMES = {i: f"c{i}" for i in range(8)}
 
@@ -86,6 +86,25 @@ def test_patched_batches_equal_stock(yolo_root, shuffle, workers):
     assert issubclass(fast_type, fu.InfiniteFastLoader)
     assert [len(e) for e in fast] == [len(e) for e in stock] == [6, 6, 6]
     assert_same(fast, stock)
+
+
+def test_classification_batches_equal_stock(tmp_path):
+    """The classify trainer's loader goes through the same build_dataloader."""
+    from ultralytics.data import ClassificationDataset
+
+    root = make_imagefolder(tmp_path / "cls", images=40, classes=4)
+    runs = []
+    for patched in (False, True):
+        if patched:
+            fu.patch()
+        torch.manual_seed(0)
+        cfg = get_cfg(DEFAULT_CFG, {"imgsz": 64})
+        data = ClassificationDataset(str(root), cfg, augment=True, prefix="train")
+        loader = build_dataloader(data, 8, 2, shuffle=True, rank=-1)
+        runs.append([list(loader), list(loader)])
+        loader.close()
+    assert len(runs[0][0]) == 5
+    assert_same(runs[1], runs[0])
 
 
 def test_ddp_sampler_batches_equal_stock(yolo_root, tmp_path):
