@@ -6,6 +6,7 @@ repeat to repeat spreads the drift over all of them.
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import subprocess
@@ -15,7 +16,21 @@ from pathlib import Path
 
 from fastfeed.progress import progress
 
-__all__ = ["interleaved_rates", "print_ratio_table"]
+__all__ = ["interleaved_rates", "pipeline_parser", "print_ratio_table"]
+
+
+def pipeline_parser(doc: str, configs: Sequence[str], batch_size: int) -> argparse.ArgumentParser:
+    """The options every pipeline benchmark takes; the script adds its data options."""
+    parser = argparse.ArgumentParser(description=doc,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=batch_size)
+    parser.add_argument("--epochs", type=int, default=2, help="timed epochs per run")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--configs", default=",".join(configs))
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # a child process: one configuration
+    return parser
 
 
 def interleaved_rates(script: str | Path, configs: Sequence[str], repeats: int,

@@ -22,7 +22,6 @@ is generated on first use and never committed.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -30,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.interleaved import interleaved_rates, print_ratio_table
+from benchmarks.interleaved import interleaved_rates, pipeline_parser, print_ratio_table
 
 CONFIGS = ("stock", "swap", "accelerate", "accelerate-threads")
 EXTRA_CONFIGS = ("swap-auto",)
@@ -65,18 +64,10 @@ def epochs_per_s(config: str, root: Path, workers: int, batch_size: int, epochs:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = pipeline_parser(__doc__, CONFIGS, batch_size=64)
     parser.add_argument("--data", type=Path, default=None,
                         help="an ImageFolder (default: generate --images into the cache)")
     parser.add_argument("--images", type=int, default=2000)
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--epochs", type=int, default=2, help="timed epochs per run")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--configs", default=",".join(CONFIGS))
-    parser.add_argument("--json", type=Path, default=None)
-    parser.add_argument("--one", help=argparse.SUPPRESS)  # a child process: one configuration
     args = parser.parse_args()
 
     if args.one:

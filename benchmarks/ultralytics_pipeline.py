@@ -24,7 +24,6 @@ camera JPEGs are; 1 to 7 labelled boxes each. Generated on first use, never comm
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -35,7 +34,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.interleaved import interleaved_rates, print_ratio_table
+from benchmarks.interleaved import interleaved_rates, pipeline_parser, print_ratio_table
 
 CONFIGS = ("stock", "patched", "patched-fast")
 PATCHES = {"patched": {}, "patched-fast": {"fast_decode": True},
@@ -132,22 +131,14 @@ def pixel_difference(root: Path, imgsz: int, images: int = 100) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = pipeline_parser(__doc__, CONFIGS, batch_size=16)
     parser.add_argument("--data", type=Path, default=None,
                         help="a YOLO folder with images/ and labels/ (default: generated)")
     parser.add_argument("--images", type=int, default=400)
     parser.add_argument("--widths", default="1280,1920", help="generated image widths: lo,hi")
     parser.add_argument("--imgsz", type=int, default=640)
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--epochs", type=int, default=2, help="timed epochs per run")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--configs", default=",".join(CONFIGS))
-    parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--pixels", action="store_true",
                         help="also measure how far fast_decode pixels are from Ultralytics'")
-    parser.add_argument("--one", help=argparse.SUPPRESS)  # a child process: one configuration
     args = parser.parse_args()
 
     if args.one:

@@ -59,14 +59,14 @@ def _takes_fast_path(dataset: Any, i: int, rect_mode: bool, resize_short: bool) 
 def _decode(path: str, imgsz: int) -> tuple[np.ndarray, tuple[int, int]] | None:
     """The image resized as Ultralytics resizes it, and its full ``(h, w)``; ``None`` for a
     file that is not what its header says (Ultralytics' own reader then reports it)."""
-    data = np.fromfile(path, np.uint8)
+    data = Path(path).read_bytes()
     try:
-        width, height = image_size(data.tobytes(), path)
+        width, height = image_size(data, path)
     except DecodeError:
         return None
     denominator = dct_scale(height, width, target_size(height, width, imgsz))
     # At full scale this is exactly Ultralytics' imread of a JPEG, without reading it twice.
-    image = cv2.imdecode(data, _FLAGS[denominator])
+    image = cv2.imdecode(np.frombuffer(data, np.uint8), _FLAGS[denominator])
     if image is None:
         return None
     decoded = image.shape[:2]
