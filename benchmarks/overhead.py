@@ -20,6 +20,7 @@ host-to-device bandwidth from the ring against the pinned cudaMemcpy peak.
     python benchmarks/overhead.py                  # the RESULTS.md table
     python benchmarks/overhead.py --quick          # a fast smoke run
     python benchmarks/overhead.py --cold           # stored samples larger than the caches
+    python benchmarks/overhead.py --cold --profile # main-process CPU, worker time per batch
 """
 
 from __future__ import annotations
@@ -219,6 +220,8 @@ def main() -> None:
     parser.add_argument("--cold", action="store_true",
                         help="stored samples larger than the caches, against the gather bound")
     parser.add_argument("--cold-gb", type=float, default=3.0)
+    parser.add_argument("--profile", action="store_true",
+                        help="with --cold: where FastLoader's time goes, one run per repeat")
     parser.add_argument("--child", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args()
 
@@ -231,6 +234,11 @@ def main() -> None:
         else:
             print(json.dumps(measure_one(name, dtype, int(bs), int(workers), int(batches),
                                          float(cold_gb))))
+        return
+    if args.cold and args.profile:
+        bs = 128 if args.batch_sizes == [64, 128, 256] else args.batch_sizes[0]
+        for _ in range(args.repeats):
+            print(profile_cold(args.cold_gb, bs, args.workers))
         return
     if args.cold:
         cold_main(args)
@@ -281,6 +289,32 @@ def main() -> None:
               f"peak {h['pinned_peak_gbs']:.1f} GB/s ({h['ring_pct_of_peak']:.0f} %)")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
+
+
+def profile_cold(cold_gb: float, batch_size: int, workers: int, batches: int = 300) -> str:
+    """Where FastLoader's time goes on the cold data, in this process: the main process's CPU
+    share (and the part the consumer's page touching takes), worker utilisation, and the
+    workers' fetch and collate time per batch (``stats()``)."""
+    loader = FastLoader(StoredSamples(cold_gb), batch_size=batch_size, num_workers=workers,
+                        shuffle=True, persistent_workers=True)
+    iterator = endless(loader)
+    for _ in range(20):
+        touch(next(iterator))
+    loader.stats(reset=True)
+    cpu, start, touching = time.process_time(), time.perf_counter(), 0.0
+    for _ in range(batches):
+        batch = next(iterator)
+        touched = time.perf_counter()
+        touch(batch)
+        touching += time.perf_counter() - touched
+    wall = time.perf_counter() - start
+    main_cpu = (time.process_time() - cpu) / wall
+    stats = loader.stats()
+    del iterator, batch
+    return (f"{batches / wall:.0f} batches/s; main process {main_cpu:.0%} of a core "
+            f"({touching / wall:.0%} touching pages); workers {stats.worker_utilization:.0%} "
+            f"busy; per batch: fetch {stats.stage_ms['fetch']:.2f} ms, collate "
+            f"{stats.stage_ms['collate']:.2f} ms")
 
 
 def cold_main(args: argparse.Namespace) -> None:

@@ -20,6 +20,7 @@ camera JPEGs are; 1 to 7 labelled boxes each. Generated on first use, never comm
 
     python benchmarks/ultralytics_pipeline.py --pixels --json benchmarks/out/yolo-large.json
     python benchmarks/ultralytics_pipeline.py --widths 480,800 --json benchmarks/out/yolo-small.json
+    python benchmarks/ultralytics_pipeline.py --profile      # ms per sample, per OpenCV call
 """
 
 from __future__ import annotations
@@ -130,6 +131,58 @@ def pixel_difference(root: Path, imgsz: int, images: int = 100) -> str:
             f"max {max(means):.2f} grey levels")
 
 
+def profile_samples(root: Path, imgsz: int, samples: int = 200) -> str:
+    """Where one process spends a training sample's time, stock and with ``fast_decode``
+    (cProfile, the OpenCV calls), and what ``imdecode`` costs at each DCT scale."""
+    import cProfile
+    import pstats
+
+    import cv2
+
+    os.environ["YOLO_OFFLINE"] = "1"
+    from ultralytics.cfg import get_cfg
+    from ultralytics.data import build_yolo_dataset
+    from ultralytics.utils import DEFAULT_CFG
+
+    import fastfeed.ultralytics
+
+    lines = []
+    for fast in (False, True):
+        fastfeed.ultralytics.unpatch()
+        if fast:
+            fastfeed.ultralytics.patch(fast_decode=True)
+        data = {"names": {i: str(i) for i in range(8)}, "nc": 8, "channels": 3}
+        dataset = build_yolo_dataset(get_cfg(DEFAULT_CFG, {"imgsz": imgsz}),
+                                     str(root / "images"), 16, data, mode="train")
+        for i in range(20):  # fill the mosaic buffer
+            dataset[i]
+        profiler = cProfile.Profile()
+        start = time.perf_counter()
+        profiler.enable()
+        for i in range(20, 20 + samples):
+            dataset[i]
+        profiler.disable()
+        per_sample = (time.perf_counter() - start) / samples * 1e3
+        stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
+        calls = {func[2]: tottime for func, (_, _, tottime, _, _) in stats.items()
+                 if func[0] == "~" and not func[2].startswith("<method")}
+        top = sorted(calls.items(), key=lambda kv: -kv[1])[:6]
+        lines.append(f"{'fast_decode' if fast else 'stock'}: {per_sample:.1f} ms per sample; "
+                     + ", ".join(f"{name} {t / samples * 1e3:.2f}" for name, t in top))
+    fastfeed.ultralytics.unpatch()
+    files = [np.fromfile(p, np.uint8) for p in sorted((root / "images").glob("*.jpg"))[:60]]
+    scales = {"full": cv2.IMREAD_COLOR, "1/2": cv2.IMREAD_REDUCED_COLOR_2,
+              "1/4": cv2.IMREAD_REDUCED_COLOR_4, "1/8": cv2.IMREAD_REDUCED_COLOR_8}
+    costs = []
+    for name, flag in scales.items():
+        start = time.perf_counter()
+        for data in files:
+            cv2.imdecode(data, flag)
+        costs.append(f"{name} {(time.perf_counter() - start) / len(files) * 1e3:.2f}")
+    lines.append("imdecode ms per image: " + ", ".join(costs))
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = pipeline_parser(__doc__, CONFIGS, batch_size=16)
     parser.add_argument("--data", type=Path, default=None,
@@ -139,6 +192,8 @@ def main() -> None:
     parser.add_argument("--imgsz", type=int, default=640)
     parser.add_argument("--pixels", action="store_true",
                         help="also measure how far fast_decode pixels are from Ultralytics'")
+    parser.add_argument("--profile", action="store_true",
+                        help="only profile samples in this process (ms per call), no loaders")
     args = parser.parse_args()
 
     if args.one:
@@ -154,6 +209,9 @@ def main() -> None:
         root = CACHE / f"yolo-photos-{args.images}-{lo}-{hi}"
         if not root.exists():
             make_photo_yolo(root, args.images, (lo, hi))
+    if args.profile:
+        print(profile_samples(root, args.imgsz))
+        return
     rates = interleaved_rates(
         __file__, args.configs.split(","), args.repeats,
         ["--data", str(root), "--imgsz", str(args.imgsz), "--workers", str(args.workers),

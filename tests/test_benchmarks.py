@@ -36,6 +36,11 @@ def test_overhead_cold_with_its_bound(tmp_path):
     assert "% of best bound" in out
 
 
+def test_overhead_cold_profile():
+    out = run("overhead.py", "--cold", "--profile", "--cold-gb", "0.05", "--repeats", "1")
+    assert "main process" in out and "collate" in out
+
+
 def test_autotune_io_rows(tmp_path):
     out = run("autotune.py", "--kinds", "io", "--batches", "12", "--measure", "4",
               "--repeats", "1", "--json", str(tmp_path / "a.json"))
