@@ -27,7 +27,7 @@ def _stackable(samples: Sequence[Any]) -> bool:
         type(s) is torch.Tensor
         and s.dtype == first.dtype
         and s.shape == first.shape
-        and s.device.type == "cpu"
+        and s.is_cpu  # a fifth of the cost of s.device.type, paid per sample
         and s.layout == torch.strided
         and not s.requires_grad
         for s in samples
