@@ -4,11 +4,13 @@ Needs Ultralytics (the ``ultralytics`` extra; CI runs this file in its client en
 """
 
 import contextlib
+import itertools
 import math
 import os
 import random
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -200,7 +202,8 @@ def mosaic_probability(data):
     return None
 
 
-def test_yolo_training_runs_on_fastloaders(yolo_root, tmp_path):
+@pytest.mark.parametrize("options", [{}, {"augment_device": "cpu"}], ids=["patch", "augment"])
+def test_yolo_training_runs_on_fastloaders(yolo_root, tmp_path, options):
     """A real ``model.train()`` from the yaml: two epochs, the second after close_mosaic."""
     from ultralytics import YOLO
 
@@ -208,7 +211,7 @@ def test_yolo_training_runs_on_fastloaders(yolo_root, tmp_path):
     data_yaml.write_text(f"path: {yolo_root}\ntrain: images\nval: images\nnames:\n"
                          + "".join(f"  {i}: {n}\n" for i, n in NAMES.items()))
     before, before_fds = snapshot(), loader_fds()
-    fu.patch()
+    fu.patch(**options)
     seen = []
     model = YOLO("yolov8n.yaml")
 
@@ -218,15 +221,19 @@ def test_yolo_training_runs_on_fastloaders(yolo_root, tmp_path):
     def record(trainer):
         seen.append((type(trainer.train_loader), type(trainer.test_loader),
                      trainer.train_loader.num_workers,
-                     mosaic_probability(trainer.train_loader.dataset)))
+                     mosaic_probability(trainer.train_loader.dataset),
+                     type(trainer.train_loader.gpu_transform).__name__,
+                     trainer.test_loader.gpu_transform))
 
     model.add_callback("on_pretrain_routine_start", use_workers)
     model.add_callback("on_train_epoch_end", record)
     model.train(data=str(data_yaml), epochs=2, imgsz=64, batch=4, workers=2, close_mosaic=1,
                 plots=False, device="cpu", amp=False, project=str(tmp_path), name="run",
                 verbose=False)
+    transform = "PixelOps" if options else "NoneType"
     assert [(issubclass(a, fu.InfiniteFastLoader), issubclass(b, fu.InfiniteFastLoader), *rest)
-            for a, b, *rest in seen] == [(True, True, 2, 1.0), (True, True, 2, 0.0)]
+            for a, b, *rest in seen] == [(True, True, 2, 1.0, transform, None),
+                                         (True, True, 2, 0.0, transform, None)]
     assert (tmp_path / "run" / "weights" / "last.pt").exists()
     del model
     # Ultralytics itself keeps three event fds open after training (so does a stock run):
@@ -327,3 +334,124 @@ def test_cv2_reduced_decode_is_libjpeg_scaling(large_root):
     full = cv2.imread(path)
     for flag, d in [(cv2.IMREAD_REDUCED_COLOR_2, 2), (cv2.IMREAD_REDUCED_COLOR_4, 4)]:
         assert cv2.imread(path, flag).shape[:2] == tuple(math.ceil(s / d) for s in full.shape[:2])
+
+
+# -- the augmentation on the device (augment_device) ----------------------------------------
+
+def ultralytics_matrix(rng, canvas, size, flip=False):
+    """A RandomPerspective matrix as Ultralytics composes it (rotation, scale, shear,
+    translation), optionally followed by a left-right flip of the output."""
+    c = np.eye(3)
+    c[:2, 2] = -canvas / 2
+    r = np.eye(3)
+    r[:2] = cv2.getRotationMatrix2D(angle=rng.uniform(-30, 30), center=(0, 0),
+                                    scale=rng.uniform(0.4, 1.6))
+    s = np.eye(3)
+    s[0, 1], s[1, 0] = np.tan(np.radians(rng.uniform(-10, 10, 2)))
+    t = np.eye(3)
+    t[:2, 2] = rng.uniform(0.4, 0.6, 2) * size
+    m = (t @ s @ r @ c).astype(np.float32)
+    return (np.array([[-1, 0, size - 1], [0, 1, 0], [0, 0, 1]]) @ m) if flip else m
+
+
+def test_warp_affine_matches_cv2():
+    from fastfeed.ultralytics.pixel_ops import warp_affine
+
+    rng = np.random.default_rng(0)
+    canvas = np.full((320, 320, 3), 114, np.uint8)
+    canvas[:300, :280] = rng.integers(0, 256, (300, 280, 3))  # noise: the hardest case
+    matrices = [ultralytics_matrix(rng, 320, 160, flip=i % 2 == 1) for i in range(6)]
+    expected = np.stack([cv2.warpAffine(canvas, m[:2], dsize=(160, 160),
+                                        borderValue=(114, 114, 114, 114)) for m in matrices])
+    got = warp_affine(torch.from_numpy(canvas).expand(6, -1, -1, -1).contiguous(),
+                      torch.from_numpy(np.stack([m[:2] for m in matrices])), (160, 160)).numpy()
+    diff = np.abs(got.astype(int) - expected)
+    assert got.shape == expected.shape
+    assert diff.max() <= 2 and (diff > 0).mean() < 0.01, ((diff > 0).mean(), diff.max())
+
+
+def test_hsv_conversions_match_cv2():
+    from fastfeed.ultralytics.gpu_augment import opencv_hsv_truncates
+    from fastfeed.ultralytics.pixel_ops import bgr_to_hsv, hsv_to_bgr
+
+    rng = np.random.default_rng(1)
+    bgr = rng.integers(0, 256, (64, 640, 3), dtype=np.uint8)
+    assert np.array_equal(bgr_to_hsv(torch.from_numpy(bgr)).numpy(),
+                          cv2.cvtColor(bgr, cv2.COLOR_BGR2HSV))
+    hsv = np.stack([rng.integers(0, 180, (64, 640)), rng.integers(0, 256, (64, 640)),
+                    rng.integers(0, 256, (64, 640))], -1).astype(np.uint8)
+    expected = cv2.cvtColor(hsv, cv2.COLOR_HSV2BGR)
+    got = hsv_to_bgr(torch.from_numpy(hsv), truncate=opencv_hsv_truncates()).numpy()
+    diff = np.abs(got.astype(int) - expected)
+    assert diff.max() <= 1 and (diff > 0).mean() < 0.001, ((diff > 0).mean(), diff.max())
+
+
+def test_hsv_lookup_matches_random_hsv():
+    """The same numpy draws: Ultralytics' RandomHSV on each image against the batch op."""
+    from ultralytics.data.augment import RandomHSV
+
+    from fastfeed.ultralytics.gpu_augment import _hsv_lut, opencv_hsv_truncates
+    from fastfeed.ultralytics.pixel_ops import hsv_lookup
+
+    rng = np.random.default_rng(2)
+    images = rng.integers(0, 256, (4, 32, 96, 3), dtype=np.uint8)
+    hsv = RandomHSV(hgain=0.015, sgain=0.7, vgain=0.4)
+    np.random.seed(0)
+    expected = np.stack([hsv({"img": image.copy()})["img"] for image in images])
+    np.random.seed(0)
+    luts = torch.from_numpy(np.stack([_hsv_lut(hsv) for _ in images]))
+    got = hsv_lookup(torch.from_numpy(images), luts, torch.tensor([True, True, True, False]),
+                     opencv_hsv_truncates()).numpy()
+    assert np.array_equal(got[3], images[3])
+    diff = np.abs(got[:3].astype(int) - expected[:3])
+    assert diff.max() <= 1 and (diff > 0).mean() < 0.001, ((diff > 0).mean(), diff.max())
+
+
+def test_device_augmentation_keeps_labels_and_pixels(yolo_root):
+    """Through Ultralytics' build_dataloader, two epochs, close_mosaic + reset(), a third:
+    every label equal to stock's; images differ from OpenCV's in under 0.1 % of values."""
+    _, stock = epochs_with_close_mosaic(yolo_root)
+    fu.patch(augment_device="cpu")
+    fast_type, fast = epochs_with_close_mosaic(yolo_root)
+    assert fast_type.augment_device == "cpu"
+    batches = zip(itertools.chain(*stock), itertools.chain(*fast), strict=True)
+    for stock_batch, fast_batch in batches:
+        assert_same({k: v for k, v in fast_batch.items() if k != "img"},
+                    {k: v for k, v in stock_batch.items() if k != "img"})
+        s, f = stock_batch["img"], fast_batch["img"]
+        assert f.dtype == s.dtype and f.shape == s.shape and f.is_contiguous()
+        diff = (f.int() - s.int()).abs()
+        # A warp that rounds one pixel the other way can cross a hue step, which HSV turns
+        # into a few grey levels; a wrong op would change most pixels.
+        assert (diff > 0).float().mean() < 0.001 and diff.max() <= 16
+
+
+def test_device_augmentation_leaves_other_pipelines_on_the_cpu(yolo_root):
+    from ultralytics.data.augment import MixUp
+
+    from fastfeed.ultralytics.gpu_augment import defer_pixel_ops, unsupported_reason
+
+    fu.patch(augment_device="cpu")
+    train = dataset(yolo_root)[1]
+    assert unsupported_reason(train) is None
+    val = dataset(yolo_root, mode="val")[1]
+    assert "does not augment" in unsupported_reason(val)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the validation loader stays put without a word
+        build_dataloader(val, 4, 2, shuffle=False, rank=-1).close()
+    mixup = next(t for t in train.transforms.transforms if isinstance(t, MixUp))
+    mixup.p = 0.5
+    assert "MixUp changes pixels" in unsupported_reason(train)
+    with pytest.raises(ValueError, match="MixUp"):
+        defer_pixel_ops(train)
+    with pytest.warns(RuntimeWarning, match="stays on the CPU: MixUp"):
+        loader = build_dataloader(train, 4, 2, shuffle=True, rank=-1)
+    assert loader.device is None and loader.gpu_transform is None
+    loader.close()
+
+
+def test_augment_device_needs_worker_processes():
+    with pytest.raises(ValueError, match="worker processes"):
+        fu.patch(augment_device="cuda", worker_mode="thread")
+    with pytest.raises(ValueError, match="sets the loader's device"):
+        fu.patch(augment_device="cuda", device="cuda")

@@ -36,7 +36,8 @@ FASTLOADER_OPTIONS = frozenset(inspect.signature(FastLoader).parameters) - froze
 _originals: dict[str, Any] = {}
 
 
-def patch(fast_decode: bool = False, **fastloader_options: Any) -> None:
+def patch(fast_decode: bool = False, augment_device: str | None = None,
+          **fastloader_options: Any) -> None:
     r"""Make Ultralytics load its batches with :class:`InfiniteFastLoader`.
 
     Call it once before ``model.train(...)``. Calling it again replaces the options; the
@@ -46,6 +47,15 @@ def patch(fast_decode: bool = False, **fastloader_options: Any) -> None:
         fast_decode (bool): decode JPEGs at least twice ``imgsz`` at a reduced DCT scale
             (see :mod:`fastfeed.ultralytics.decode`). Output sizes are Ultralytics'; pixels
             differ slightly from its full-size decode, so this is opt-in. Default: ``False``.
+        augment_device (str, optional): run the training loader's random perspective warp,
+            HSV jitter and flips on this device (``"cuda"``), as batch ops on the copy stream;
+            workers still draw every random number with Ultralytics' code, so labels are the
+            stock ones and pixels differ from OpenCV's by rounding (at most a grey level or
+            two). The loader then delivers batches on that device. ``"cpu"`` runs the same
+            ops in the main process: a reference, slower than the workers. Pipelines with
+            other pixel work after the warp (mixup, cutmix, perspective, Albumentations) stay
+            on the CPU, with a warning. See :mod:`fastfeed.ultralytics.gpu_augment`.
+            Default: ``None``.
         **fastloader_options: :class:`~fastfeed.FastLoader` keywords that ``DataLoader`` does
             not have, for every loader Ultralytics builds: for example ``worker_mode="thread"``
             or ``log_every=100``.
@@ -61,6 +71,12 @@ def patch(fast_decode: bool = False, **fastloader_options: Any) -> None:
     if unknown:
         raise TypeError(f"patch() got {unknown}, which are not FastLoader options; "
                         f"it takes {sorted(FASTLOADER_OPTIONS)}")
+    if augment_device is not None:
+        if fastloader_options.get("worker_mode", "process") != "process":
+            raise ValueError("augment_device needs worker processes: each records its own "
+                             "samples' parameters (worker_mode='process')")
+        if "device" in fastloader_options or "gpu_transform" in fastloader_options:
+            raise ValueError("augment_device sets the loader's device and gpu_transform")
     from ultralytics.data import base, build
 
     from fastfeed.ultralytics.decode import reduced_load_image
@@ -69,6 +85,7 @@ def patch(fast_decode: bool = False, **fastloader_options: Any) -> None:
     _originals.setdefault("load_image", base.BaseDataset.load_image)
     build.InfiniteDataLoader = type(InfiniteFastLoader.__name__, (InfiniteFastLoader,),
                                     {"fastloader_options": dict(fastloader_options),
+                                     "augment_device": augment_device,
                                      "__module__": __name__})
     base.BaseDataset.load_image = (reduced_load_image(_originals["load_image"]) if fast_decode
                                    else _originals["load_image"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
@@ -37,13 +38,20 @@ class InfiniteFastLoader(FastLoader):
     training ends.
 
     Takes :class:`~fastfeed.FastLoader`'s arguments; a subclass made by
-    :func:`fastfeed.ultralytics.patch` adds its ``fastloader_options`` to them.
+    :func:`fastfeed.ultralytics.patch` adds its ``fastloader_options`` to them, and with
+    ``augment_device`` moves the per-pixel augmentation of a training dataset there
+    (:mod:`fastfeed.ultralytics.gpu_augment`).
     """
 
     fastloader_options: ClassVar[dict[str, Any]] = {}
+    augment_device: ClassVar[str | None] = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **{**self.fastloader_options, **kwargs})
+        options = {**self.fastloader_options, **kwargs}
+        if self.augment_device is not None:
+            dataset = args[0] if args else options.get("dataset")
+            options = _with_device_augmentation(dataset, options, self.augment_device)
+        super().__init__(*args, **options)
         if self.batch_sampler is None:
             raise ValueError("InfiniteFastLoader needs batches: pass a batch_size")
         # DataLoader forbids setting batch_sampler after __init__; Ultralytics does the same.
@@ -68,3 +76,26 @@ class InfiniteFastLoader(FastLoader):
     def reset(self) -> None:
         """Start new workers on the next epoch, so that they see a changed dataset."""
         self.close()
+
+
+def _with_device_augmentation(dataset: Any, options: dict[str, Any], device: str
+                              ) -> dict[str, Any]:
+    """``options`` that move ``dataset``'s pixel work to ``device``, where it qualifies."""
+    from fastfeed.ultralytics import gpu_augment
+
+    reason = gpu_augment.unsupported_reason(dataset)
+    if reason is None and not options.get("num_workers"):
+        reason = "it runs without workers, which record the parameters"
+    if reason is not None:
+        if getattr(dataset, "augment", False):  # validation loaders are expected to stay put
+            warnings.warn(f"fastfeed: Ultralytics' augmentation stays on the CPU: {reason}",
+                          RuntimeWarning, stacklevel=3)
+        return options
+    collate_fn = options.get("collate_fn")
+    return {
+        **options,
+        "device": device,
+        "gpu_transform": gpu_augment.PixelOps(),
+        "worker_init_fn": gpu_augment.DeferInWorkers(options.get("worker_init_fn")),
+        "collate_fn": gpu_augment.stack_params(collate_fn) if collate_fn else None,
+    }

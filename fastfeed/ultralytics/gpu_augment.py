@@ -1,0 +1,262 @@
+"""Ultralytics' per-pixel training augmentation on the device, its random draws on the CPU.
+
+After the mosaic, Ultralytics' training pipeline spends most of a sample's time on three pixel
+operations: the random perspective warp, the HSV jitter and the flips. Here, inside each worker,
+those three record what they would do instead of doing it: ``RandomPerspective`` its matrix,
+``RandomHSV`` its lookup table, each ``RandomFlip`` a mirror folded into the matrix, and
+``Format`` whether it reverses the channels. Every random number is drawn by Ultralytics' own
+code, in its order, so labels and boxes are exactly the stock ones. The sample carries the
+unwarped canvas (padded with the border value to one size per dataset) and those parameters;
+:class:`PixelOps`, FastLoader's ``gpu_transform``, then applies them to the whole batch on the
+device (:mod:`fastfeed.ultralytics.pixel_ops`), and the trainer receives the ``img`` it would
+have received, already on the GPU.
+
+Only pipelines whose pixel work after the warp is exactly HSV, flips and ``Format`` qualify
+(Ultralytics' defaults: no mixup, cutmix, copy-paste after the warp, perspective or
+Albumentations); :func:`unsupported_reason` names what stops any other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import cv2
+import numpy as np
+import torch
+from torch.utils.data import get_worker_info
+
+from fastfeed.ultralytics.pixel_ops import hsv_lookup, warp_affine
+
+__all__ = [
+    "DeferInWorkers", "PixelOps", "defer_pixel_ops", "opencv_hsv_truncates", "stack_params",
+    "unsupported_reason",
+]
+
+BORDER = 114  # Ultralytics' fill value for mosaic canvases and warps
+# Per sample: the 2×3 matrix, the output width and height, apply-HSV and reverse-channels flags.
+PARAMS_KEY = "fastfeed_pixel_params"
+LUT_KEY = "fastfeed_hsv_lut"
+
+
+def _flatten(transform: Any) -> Iterator[Any]:
+    from ultralytics.data.augment import Compose
+
+    if isinstance(transform, Compose):
+        for inner in transform.transforms:
+            yield from _flatten(inner)
+    else:
+        yield transform
+
+
+def unsupported_reason(dataset: Any) -> str | None:
+    """Why ``dataset``'s pixel work cannot move to the device, or ``None`` if it can."""
+    from ultralytics.data import augment as A
+
+    if not getattr(dataset, "augment", False):
+        return "the dataset does not augment (validation)"
+    if getattr(dataset, "channels", 3) != 3:
+        return "the images are not 3-channel"
+    transforms = list(_flatten(getattr(dataset, "transforms", None)))
+    warps = [i for i, t in enumerate(transforms) if isinstance(t, A.RandomPerspective)]
+    if len(warps) != 1:
+        return "the pipeline has no single RandomPerspective"
+    if transforms[warps[0]].perspective:
+        return "perspective > 0 (a projective warp)"
+    if not transforms or type(transforms[-1]) is not A.Format:
+        return "the pipeline does not end with Ultralytics' Format"
+    for t in transforms[warps[0] + 1 : -1]:
+        if isinstance(t, (A.RandomHSV, A.RandomFlip)):
+            continue
+        if isinstance(t, A.BaseMixTransform) and not isinstance(t, A.Mosaic) and t.p == 0:
+            continue  # MixUp, CutMix or CopyPaste that never fires
+        if isinstance(t, A.Albumentations) and t.transform is None:
+            continue
+        return f"{type(t).__name__} changes pixels after the warp"
+    return None
+
+
+def opencv_hsv_truncates() -> bool:
+    """Whether this OpenCV truncates (OpenCV 5) or rounds (OpenCV 4) in HSV→BGR on uint8."""
+    probe = np.full((1, 64, 3), (85, 54, 202), np.uint8)  # blue is 194.87 before rounding
+    return int(cv2.cvtColor(probe, cv2.COLOR_HSV2BGR)[0, 0, 0]) == 194
+
+
+def _hsv_lut(hsv: Any) -> np.ndarray:
+    """The table ``RandomHSV.apply_image`` builds, from the same draw of the global numpy RNG."""
+    r = np.random.uniform(-1, 1, 3) * [hsv.hgain, hsv.sgain, hsv.vgain]
+    x = np.arange(0, 256, dtype=r.dtype)
+    lut_hue = ((x + r[0] * 180) % 180).astype(np.uint8)
+    lut_sat = np.clip(x * (r[1] + 1), 0, 255).astype(np.uint8)
+    lut_val = np.clip(x * (r[2] + 1), 0, 255).astype(np.uint8)
+    lut_sat[0] = 0
+    return np.stack((lut_hue, lut_sat, lut_val))
+
+
+def _mirror(matrix: np.ndarray, direction: str, width: int, height: int) -> np.ndarray:
+    """``matrix``, then ``np.fliplr`` (or ``np.flipud``) of its ``width``×``height`` output."""
+    flip = np.eye(3)
+    if direction == "horizontal":
+        flip[0, 0], flip[0, 2] = -1, width - 1
+    else:
+        flip[1, 1], flip[1, 2] = -1, height - 1
+    return flip @ matrix
+
+
+class _Recorder:
+    """Replaces the pixel work of one dataset's transforms with records, in one process."""
+
+    def __init__(self, dataset: Any) -> None:
+        from ultralytics.data import augment as A
+
+        transforms = list(_flatten(dataset.transforms))
+        mosaic = any(isinstance(t, A.Mosaic) and t.p > 0 for t in transforms)
+        self.canvas_size = dataset.imgsz * (2 if mosaic else 1)
+        self.reset()
+        for t in transforms:
+            if isinstance(t, A.RandomPerspective):
+                t.apply_image = self._warp
+            elif isinstance(t, A.RandomHSV):
+                t.apply_image = self._hsv_of(t)
+            elif isinstance(t, A.RandomFlip):
+                t.apply_image = self._flip
+            elif type(t) is A.Format:
+                t._format_img = self._channel_order_of(t._format_img)
+        compose = dataset.transforms
+        dataset.transforms = lambda labels: self._finish(compose(labels))
+
+    def reset(self) -> None:
+        self.canvas: np.ndarray | None = None
+        self.matrix = np.eye(3)
+        self.size = (0, 0)
+        self.lut = np.zeros((3, 256), np.uint8)
+        self.apply_hsv = False
+        self.reverse = False
+
+    def _warp(self, labels: dict, params: dict) -> dict:
+        self.canvas = labels["img"]
+        self.matrix = np.asarray(params["M"], dtype=np.float64)
+        self.size = params["size"]
+        width, height = self.size
+        # Later transforms read only the shape; a zero-stride view costs nothing.
+        labels["img"] = np.broadcast_to(np.uint8(BORDER), (height, width, 3))
+        labels["resized_shape"] = (height, width)
+        return labels
+
+    def _hsv_of(self, hsv: Any) -> Callable[..., dict]:
+        def record(labels: dict, params: dict | None = None) -> dict:
+            if hsv.hgain or hsv.sgain or hsv.vgain:
+                self.lut, self.apply_hsv = _hsv_lut(hsv), True
+            return labels
+
+        return record
+
+    def _flip(self, labels: dict, params: dict) -> dict:
+        if params["flip"]:
+            self.matrix = _mirror(self.matrix, params["direction"], *self.size)
+        return labels
+
+    def _channel_order_of(self, format_img: Callable[[np.ndarray], torch.Tensor]
+                          ) -> Callable[[np.ndarray], torch.Tensor]:
+        marker = np.arange(3, dtype=np.uint8).reshape(1, 1, 3)
+
+        def record(img: np.ndarray) -> torch.Tensor:
+            # The stock call on a 1×1 marker: the same random draw, and its decision.
+            self.reverse = int(format_img(marker)[0, 0, 0]) == 2
+            return torch.empty(0, dtype=torch.uint8)
+
+        return record
+
+    def _finish(self, labels: dict) -> dict:
+        canvas = self.canvas
+        if canvas is None:
+            raise RuntimeError("fastfeed: RandomPerspective did not run for this sample")
+        height, width = canvas.shape[:2]
+        size = self.canvas_size
+        if height > size or width > size:
+            raise RuntimeError(f"fastfeed: a {width}×{height} canvas exceeds the {size}×{size} "
+                               "one the batch is padded to")
+        padded = np.full((size, size, 3), BORDER, np.uint8)
+        padded[:height, :width] = canvas  # the border value beyond the canvas: the same warp
+        labels["img"] = torch.from_numpy(padded)
+        params = np.concatenate([self.matrix[:2].ravel(), self.size,
+                                 [self.apply_hsv, self.reverse]])
+        labels[PARAMS_KEY] = torch.from_numpy(params)
+        labels[LUT_KEY] = torch.from_numpy(self.lut)
+        self.reset()
+        return labels
+
+
+def defer_pixel_ops(dataset: Any) -> None:
+    """Make ``dataset`` (in this process) record its pixel work instead of doing it.
+
+    Raises:
+        ValueError: the pipeline does not qualify (see :func:`unsupported_reason`).
+    """
+    reason = unsupported_reason(dataset)
+    if reason is not None:
+        raise ValueError(f"fastfeed: this pipeline's pixel work cannot move to a device: {reason}")
+    _Recorder(dataset)
+
+
+class DeferInWorkers:
+    """A ``worker_init_fn`` that defers the worker's dataset's pixel work, then calls ``init``.
+
+    Workers restart after Ultralytics rebuilds the transforms (``close_mosaic``), so every
+    worker wraps the transforms it was given.
+    """
+
+    def __init__(self, init: Callable[[int], None] | None) -> None:
+        self.init = init
+
+    def __call__(self, worker_id: int) -> None:
+        info = get_worker_info()
+        if info is not None:
+            defer_pixel_ops(info.dataset)
+        if self.init is not None:
+            self.init(worker_id)
+
+
+def stack_params(collate_fn: Callable[[list], dict]) -> Callable[[list], dict]:
+    """``collate_fn``, then the per-sample parameters stacked into two tensors."""
+
+    def collate(samples: list) -> dict:
+        batch = collate_fn(samples)
+        for key in (PARAMS_KEY, LUT_KEY):
+            if key in batch:
+                batch[key] = torch.stack(list(batch[key]))
+        return batch
+
+    return collate
+
+
+class PixelOps:
+    """FastLoader's ``gpu_transform``: apply the recorded warp, HSV, flips and channel order.
+
+    Turns ``batch["img"]``, the ``B×S×S×3`` uint8 canvases, into the ``B×3×H×W`` uint8 images
+    Ultralytics' ``Format`` would have produced, on the batch's device. A batch without
+    recorded parameters passes through.
+
+    Args:
+        truncate_hsv (bool): HSV→BGR truncates as OpenCV 5 does (else rounds, as OpenCV 4).
+            Default: this process's OpenCV (:func:`opencv_hsv_truncates`).
+    """
+
+    def __init__(self, truncate_hsv: bool | None = None) -> None:
+        self.truncate_hsv = opencv_hsv_truncates() if truncate_hsv is None else truncate_hsv
+
+    def __call__(self, batch: dict) -> dict:
+        if PARAMS_KEY not in batch:
+            return batch
+        params, luts = batch.pop(PARAMS_KEY), batch.pop(LUT_KEY)
+        sizes = params[:, 6:8].unique(dim=0)
+        if len(sizes) != 1:
+            raise ValueError(f"fastfeed: one batch asks for several output sizes: {sizes.tolist()}")
+        width, height = (int(v) for v in sizes[0].tolist())
+        images = warp_affine(batch["img"], params[:, :6].view(-1, 2, 3), (width, height), BORDER)
+        images = hsv_lookup(images, luts, params[:, 8] > 0, self.truncate_hsv)
+        chw = images.permute(0, 3, 1, 2)
+        reverse = (params[:, 9] > 0).to(images.device).view(-1, 1, 1, 1)
+        batch["img"] = torch.where(reverse, chw.flip(1), chw).contiguous()
+        return batch
+

@@ -1,0 +1,151 @@
+"""Ultralytics' per-pixel augmentation as batch tensor ops, on any device.
+
+The random perspective warp (``cv2.warpAffine``, bilinear, border 114) and the HSV jitter
+(``cv2.cvtColor`` to HSV, one 3-channel ``cv2.LUT``, back to BGR) are the costly per-pixel steps of
+Ultralytics' training augmentation. Here they take a whole batch at once, so that they can run
+on the GPU; on the CPU the same code is the reference they are tested with against OpenCV.
+
+The arithmetic follows OpenCV's rather than a generic resampler's. The warp inverts the map in
+float64 and interpolates in float32, the border value standing in for every neighbour outside
+the source, as OpenCV 5.0's warpAffine does (releases that quantise coordinates to 1/32 pixel
+differ by a grey level or two on sharp edges). BGR→HSV is OpenCV's integer conversion, and
+HSV→BGR its float one, which OpenCV 5 truncates to uint8 and OpenCV 4 rounds. Parameters are
+drawn elsewhere, by Ultralytics' own code; these functions only apply them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["bgr_to_hsv", "hsv_lookup", "hsv_to_bgr", "warp_affine"]
+
+_HSV_SHIFT = 12  # OpenCV's hsv_shift
+
+
+def _invert_affine(matrices: torch.Tensor) -> torch.Tensor:
+    """Inverse maps of ``B×2×3`` forward affine matrices, in float64 as OpenCV computes them."""
+    m = matrices.to(torch.float64)
+    a, b, c = m[:, 0, 0], m[:, 0, 1], m[:, 0, 2]
+    d, e, f = m[:, 1, 0], m[:, 1, 1], m[:, 1, 2]
+    det = a * e - b * d
+    inv_det = torch.where(det != 0, 1.0 / det, torch.zeros_like(det))
+    ia, ib, id_, ie = e * inv_det, -b * inv_det, -d * inv_det, a * inv_det
+    first = torch.stack([ia, ib, -ia * c - ib * f], -1)
+    second = torch.stack([id_, ie, -id_ * c - ie * f], -1)
+    return torch.stack([first, second], 1)
+
+
+def warp_affine(
+    images: torch.Tensor, matrices: torch.Tensor, size: tuple[int, int], border: int = 114
+) -> torch.Tensor:
+    """Warp a batch like ``cv2.warpAffine(img, M, dsize=size, borderValue=border)`` per image.
+
+    Args:
+        images: ``B×H×W×C`` uint8 (channels last, as OpenCV holds them).
+        matrices: ``B×2×3`` forward affine maps (source → output pixel coordinates).
+        size: output ``(width, height)``.
+        border: the value of every pixel outside the source.
+
+    Returns:
+        ``B×height×width×C`` uint8.
+    """
+    if images.dtype != torch.uint8 or images.dim() != 4:
+        raise ValueError(f"images must be B×H×W×C uint8, got {tuple(images.shape)} {images.dtype}")
+    if matrices.shape != (images.shape[0], 2, 3):
+        raise ValueError(f"matrices must be {images.shape[0]}×2×3, got {tuple(matrices.shape)}")
+    batch, height, width, channels = images.shape
+    out_w, out_h = size
+    device = images.device
+    inverse = _invert_affine(matrices).to(device=device, dtype=torch.float32)
+    xs = torch.arange(out_w, device=device, dtype=torch.float32).view(1, 1, -1)
+    ys = torch.arange(out_h, device=device, dtype=torch.float32).view(1, -1, 1)
+    coeff = inverse.view(batch, 2, 3, 1, 1)
+    # source coordinates of every output pixel, B×h×w
+    sx = coeff[:, 0, 0] * xs + coeff[:, 0, 1] * ys + coeff[:, 0, 2]
+    sy = coeff[:, 1, 0] * xs + coeff[:, 1, 1] * ys + coeff[:, 1, 2]
+    x0, y0 = torch.floor(sx), torch.floor(sy)
+    fx, fy = (sx - x0).unsqueeze(-1), (sy - y0).unsqueeze(-1)
+    x0, y0 = x0.to(torch.int64), y0.to(torch.int64)
+    flat = images.reshape(batch * height * width, channels)
+    base = torch.arange(batch, device=device).view(batch, 1, 1) * (height * width)
+
+    def neighbour(dy: int, dx: int) -> torch.Tensor:  # B×h×w×C float, border outside the source
+        xi, yi = x0 + dx, y0 + dy
+        inside = (xi >= 0) & (xi < width) & (yi >= 0) & (yi < height)
+        index = base + yi.clamp(0, height - 1) * width + xi.clamp(0, width - 1)
+        pixels = flat[index.view(-1)].view(batch, out_h, out_w, channels).to(torch.float32)
+        return torch.where(inside.unsqueeze(-1), pixels, float(border))
+
+    top = neighbour(0, 0) * (1 - fx) + neighbour(0, 1) * fx
+    bottom = neighbour(1, 0) * (1 - fx) + neighbour(1, 1) * fx
+    return torch.round(top * (1 - fy) + bottom * fy).clamp(0, 255).to(torch.uint8)
+
+
+def _division_table(numerator: int, device: torch.device) -> torch.Tensor:
+    # OpenCV's sdiv_table / hdiv_table180: round(numerator / i), 0 for i = 0
+    i = torch.arange(256, dtype=torch.float64, device=device)
+    table = torch.where(i > 0, torch.round(numerator / i.clamp(min=1)), torch.zeros_like(i))
+    return table.to(torch.int32)
+
+
+def bgr_to_hsv(images: torch.Tensor) -> torch.Tensor:
+    """``cv2.cvtColor(img, cv2.COLOR_BGR2HSV)`` for uint8 ``…×3`` BGR: H in [0, 180), S, V."""
+    b, g, r = images.to(torch.int32).unbind(-1)
+    v = torch.maximum(torch.maximum(b, g), r)
+    diff = v - torch.minimum(torch.minimum(b, g), r)
+    round_half = 1 << (_HSV_SHIFT - 1)
+    s_table = _division_table(255 << _HSV_SHIFT, images.device)
+    h_table = _division_table((180 << _HSV_SHIFT) // 6, images.device)
+    s = (diff * s_table[v] + round_half) >> _HSV_SHIFT
+    h = torch.where(v == r, g - b, torch.where(v == g, b - r + 2 * diff, r - g + 4 * diff))
+    h = (h * h_table[diff] + round_half) >> _HSV_SHIFT
+    h = torch.where(h < 0, h + 180, h)
+    return torch.stack([h, s, v], -1).to(torch.uint8)
+
+
+# For each sector of the hue circle, which of (v, p, q, t) is blue, green and red.
+_SECTORS = ((1, 3, 0), (1, 0, 2), (3, 0, 1), (0, 2, 1), (0, 1, 3), (2, 1, 0))
+
+
+def hsv_to_bgr(hsv: torch.Tensor, truncate: bool = True) -> torch.Tensor:
+    """``cv2.cvtColor(hsv, cv2.COLOR_HSV2BGR)`` for uint8 ``…×3`` HSV with H in [0, 180).
+
+    ``truncate``: OpenCV 5 truncates the float result to uint8, OpenCV 4 rounds it.
+    """
+    h, s, v = hsv.to(torch.float32).unbind(-1)
+    s, v = s * (1.0 / 255.0), v * (1.0 / 255.0)
+    h = h * (6.0 / 180.0)
+    h = torch.where(h >= 6, h - 6, h)
+    sector = torch.floor(h)
+    frac = h - sector
+    sector = sector.to(torch.int64).clamp(0, 5)
+    tab = torch.stack([v, v * (1 - s), v * (1 - s * frac), v * (1 - s * (1 - frac))], -1)
+    order = torch.tensor(_SECTORS, device=hsv.device)[sector]  # …×3 indices into tab
+    bgr = torch.gather(tab, -1, order)
+    bgr = torch.where((s == 0).unsqueeze(-1), v.unsqueeze(-1).expand_as(bgr), bgr)
+    bgr = bgr * 255.0
+    return (torch.trunc(bgr) if truncate else torch.round(bgr)).clamp(0, 255).to(torch.uint8)
+
+
+def hsv_lookup(
+    images: torch.Tensor, luts: torch.Tensor, apply: torch.Tensor, truncate: bool = True
+) -> torch.Tensor:
+    """Ultralytics' ``RandomHSV`` on a batch, with each image's lookup table already drawn.
+
+    Args:
+        images: ``B×H×W×3`` uint8 BGR.
+        luts: ``B×3×256`` uint8: the hue, saturation and value tables ``RandomHSV`` built.
+        apply: ``B`` bool: images ``RandomHSV`` left alone (all gains zero) keep their pixels.
+        truncate: how HSV→BGR makes integers (see :func:`hsv_to_bgr`).
+
+    Returns:
+        ``B×H×W×3`` uint8 BGR.
+    """
+    hsv = bgr_to_hsv(images).to(torch.int64)
+    batch = images.shape[0]
+    offsets = (torch.arange(batch, device=images.device) * 3).view(batch, 1, 1, 1)
+    channel = torch.arange(3, device=images.device)
+    flat = luts.to(images.device).reshape(-1, 256)
+    mapped = flat[offsets + channel, hsv].view_as(hsv)
+    out = hsv_to_bgr(mapped, truncate)
+    return torch.where(apply.to(images.device).view(batch, 1, 1, 1), out, images)
