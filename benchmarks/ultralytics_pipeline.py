@@ -9,6 +9,9 @@ Configurations:
 - ``patched``: after ``fastfeed.ultralytics.patch()`` (the one line).
 - ``patched-fast``: ``patch(fast_decode=True)``: large JPEGs decoded at a reduced DCT scale.
 - ``patched-threads``: ``patch(worker_mode="thread")`` (not in the default set).
+- ``patched-augment``, ``patched-fast-augment``: ``patch(augment_device="cuda")`` (with and
+  without ``fast_decode``): the warp, HSV and flips run on the GPU (not in the default set; on a
+  GPU machine only).
 
 Each run is a fresh process: one warm-up epoch (workers start, mosaic buffers fill), then
 ``--epochs`` timed epochs; configurations alternate order from repeat to repeat; the table gives
@@ -21,6 +24,7 @@ camera JPEGs are; 1 to 7 labelled boxes each. Generated on first use, never comm
     python benchmarks/ultralytics_pipeline.py --pixels --json benchmarks/out/yolo-large.json
     python benchmarks/ultralytics_pipeline.py --widths 480,800 --json benchmarks/out/yolo-small.json
     python benchmarks/ultralytics_pipeline.py --profile      # ms per sample, per OpenCV call
+    python benchmarks/ultralytics_pipeline.py --ops-device cuda  # the batch pixel ops alone
 """
 
 from __future__ import annotations
@@ -39,7 +43,9 @@ from benchmarks.interleaved import interleaved_rates, pipeline_parser, print_rat
 
 CONFIGS = ("stock", "patched", "patched-fast")
 PATCHES = {"patched": {}, "patched-fast": {"fast_decode": True},
-           "patched-threads": {"worker_mode": "thread"}}
+           "patched-threads": {"worker_mode": "thread"},
+           "patched-augment": {"augment_device": "cuda"},
+           "patched-fast-augment": {"fast_decode": True, "augment_device": "cuda"}}
 
 
 def make_photo_yolo(root: Path, images: int, widths: tuple[int, int], seed: int = 0) -> Path:
@@ -105,6 +111,8 @@ def images_per_s(config: str, root: Path, imgsz: int, workers: int, batch_size: 
         start, images = time.perf_counter(), 0
         for batch in loader:
             images += len(batch["img"])
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # batches made on the GPU count when they are done
         if epoch:
             rates.append(images / (time.perf_counter() - start))
     loader.close()
@@ -145,15 +153,20 @@ def profile_samples(root: Path, imgsz: int, samples: int = 200) -> str:
     from ultralytics.utils import DEFAULT_CFG
 
     import fastfeed.ultralytics
+    from fastfeed.ultralytics.gpu_augment import defer_pixel_ops
 
+    variants = {"stock": ({}, False), "fast_decode": ({"fast_decode": True}, False),
+                "pixel work deferred (augment_device)": ({}, True),
+                "fast_decode + deferred": ({"fast_decode": True}, True)}
     lines = []
-    for fast in (False, True):
+    for name, (options, defer) in variants.items():
         fastfeed.ultralytics.unpatch()
-        if fast:
-            fastfeed.ultralytics.patch(fast_decode=True)
+        fastfeed.ultralytics.patch(**options)
         data = {"names": {i: str(i) for i in range(8)}, "nc": 8, "channels": 3}
         dataset = build_yolo_dataset(get_cfg(DEFAULT_CFG, {"imgsz": imgsz}),
                                      str(root / "images"), 16, data, mode="train")
+        if defer:
+            defer_pixel_ops(dataset)
         for i in range(20):  # fill the mosaic buffer
             dataset[i]
         profiler = cProfile.Profile()
@@ -167,8 +180,8 @@ def profile_samples(root: Path, imgsz: int, samples: int = 200) -> str:
         calls = {func[2]: tottime for func, (_, _, tottime, _, _) in stats.items()
                  if func[0] == "~" and not func[2].startswith("<method")}
         top = sorted(calls.items(), key=lambda kv: -kv[1])[:6]
-        lines.append(f"{'fast_decode' if fast else 'stock'}: {per_sample:.1f} ms per sample; "
-                     + ", ".join(f"{name} {t / samples * 1e3:.2f}" for name, t in top))
+        lines.append(f"{name}: {per_sample:.1f} ms per sample; "
+                     + ", ".join(f"{call} {t / samples * 1e3:.2f}" for call, t in top))
     fastfeed.ultralytics.unpatch()
     files = [np.fromfile(p, np.uint8) for p in sorted((root / "images").glob("*.jpg"))[:60]]
     scales = {"full": cv2.IMREAD_COLOR, "1/2": cv2.IMREAD_REDUCED_COLOR_2,
@@ -183,6 +196,60 @@ def profile_samples(root: Path, imgsz: int, samples: int = 200) -> str:
     return "\n".join(lines)
 
 
+def device_ops_ms(device: str, imgsz: int, batch_size: int, repeats: int = 20) -> str:
+    """Milliseconds per batch of the pixel ops ``augment_device`` runs (warp, HSV, channel order
+    and layout) on ``device``, on mosaic canvases (2·imgsz square), with the canvas's
+    host-to-device copy from page-locked memory on CUDA."""
+    import torch
+
+    from fastfeed.ultralytics.gpu_augment import LUT_KEY, PARAMS_KEY, PixelOps
+
+    g = torch.Generator().manual_seed(0)
+    canvas = torch.randint(0, 256, (batch_size, 2 * imgsz, 2 * imgsz, 3), dtype=torch.uint8,
+                           generator=g)
+    angle, scale = (torch.rand(batch_size, generator=g) - 0.5) * 0.2, 0.5 + torch.rand(batch_size)
+    params = torch.zeros(batch_size, 10, dtype=torch.float64)
+    params[:, 0], params[:, 1] = scale * angle.cos(), -scale * angle.sin()
+    params[:, 3], params[:, 4] = scale * angle.sin(), scale * angle.cos()
+    params[:, 2] = params[:, 5] = -imgsz / 2 * scale + imgsz / 2
+    params[:, 6:8], params[:, 8], params[:, 9] = imgsz, 1, 1
+    luts = torch.randint(0, 256, (batch_size, 3, 256), dtype=torch.uint8, generator=g)
+    luts[:, 0] %= 180
+    ops = PixelOps()
+    cuda = device.startswith("cuda")
+    host = canvas.pin_memory() if cuda else canvas
+
+    def once() -> None:
+        batch = {"img": host.to(device, non_blocking=True), PARAMS_KEY: params.to(device),
+                 LUT_KEY: luts.to(device)}
+        ops(batch)
+
+    once()
+    times = []
+    for _ in range(repeats):
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        once()
+        if cuda:
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e3)
+    copy = []
+    if cuda:
+        for _ in range(repeats):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            host.to(device, non_blocking=True)
+            torch.cuda.synchronize()
+            copy.append((time.perf_counter() - start) * 1e3)
+    name = torch.cuda.get_device_name() if cuda else "cpu (torch ops, one process)"
+    line = (f"pixel ops on {name}: batch {batch_size} of {2 * imgsz}² canvases -> {imgsz}²: "
+            f"{np.median(times):.2f} ms per batch (median of {repeats})")
+    if copy:
+        line += f", of which the canvas H2D {np.median(copy):.2f} ms"
+    return line
+
+
 def main() -> None:
     parser = pipeline_parser(__doc__, CONFIGS, batch_size=16)
     parser.add_argument("--data", type=Path, default=None,
@@ -194,7 +261,11 @@ def main() -> None:
                         help="also measure how far fast_decode pixels are from Ultralytics'")
     parser.add_argument("--profile", action="store_true",
                         help="only profile samples in this process (ms per call), no loaders")
+    parser.add_argument("--ops-device", help="only time the augment_device pixel ops there")
     args = parser.parse_args()
+    if args.ops_device:
+        print(device_ops_ms(args.ops_device, args.imgsz, args.batch_size))
+        return
 
     if args.one:
         print(json.dumps(images_per_s(args.one, args.data, args.imgsz, args.workers,

@@ -26,10 +26,11 @@ import numpy as np
 import torch
 from torch.utils.data import get_worker_info
 
+from fastfeed._copy import stack_into
 from fastfeed.ultralytics.pixel_ops import hsv_lookup, warp_affine
 
 __all__ = [
-    "DeferInWorkers", "PixelOps", "defer_pixel_ops", "opencv_hsv_truncates", "stack_params",
+    "CanvasCollate", "DeferInWorkers", "PixelOps", "defer_pixel_ops", "opencv_hsv_truncates",
     "unsupported_reason",
 ]
 
@@ -176,8 +177,11 @@ class _Recorder:
         if height > size or width > size:
             raise RuntimeError(f"fastfeed: a {width}×{height} canvas exceeds the {size}×{size} "
                                "one the batch is padded to")
-        padded = np.full((size, size, 3), BORDER, np.uint8)
-        padded[:height, :width] = canvas  # the border value beyond the canvas: the same warp
+        if (height, width) == (size, size):  # a mosaic: already the batch's canvas size
+            padded = np.ascontiguousarray(canvas)
+        else:
+            padded = np.full((size, size, 3), BORDER, np.uint8)
+            padded[:height, :width] = canvas  # the border value beyond it: the same warp
         labels["img"] = torch.from_numpy(padded)
         params = np.concatenate([self.matrix[:2].ravel(), self.size,
                                  [self.apply_hsv, self.reverse]])
@@ -217,17 +221,33 @@ class DeferInWorkers:
             self.init(worker_id)
 
 
-def stack_params(collate_fn: Callable[[list], dict]) -> Callable[[list], dict]:
-    """``collate_fn``, then the per-sample parameters stacked into two tensors."""
+class CanvasCollate:
+    """Ultralytics' ``collate_fn`` for recorded samples, with the canvases stacked in the slot.
 
-    def collate(samples: list) -> dict:
-        batch = collate_fn(samples)
+    The canvases are four times the bytes of the images they become; gathering them straight
+    into the ring slot (FastLoader's slot-aware ``collate_into``) saves stacking them into a
+    tensor first and copying that into the slot. The per-sample parameters are stacked into
+    two small tensors; everything else is Ultralytics' collate.
+    """
+
+    def __init__(self, collate_fn: Callable[[list], dict]) -> None:
+        self.collate_fn = collate_fn
+
+    def __call__(self, samples: list[dict]) -> dict:
+        return self.collate_into(samples, lambda shape, dtype: torch.empty(shape, dtype=dtype))
+
+    def collate_into(self, samples: list[dict],
+                     empty: Callable[[tuple[int, ...], torch.dtype], torch.Tensor]) -> dict:
+        canvases = [sample["img"] for sample in samples]
+        if any(c.shape != canvases[0].shape for c in canvases):
+            raise ValueError("fastfeed: the canvases of one batch differ in size: "
+                             f"{sorted({tuple(c.shape) for c in canvases})}")
+        batch = self.collate_fn([{k: v for k, v in s.items() if k != "img"} for s in samples])
+        batch["img"] = empty((len(canvases), *canvases[0].shape), torch.uint8)
+        stack_into(batch["img"], canvases)
         for key in (PARAMS_KEY, LUT_KEY):
-            if key in batch:
-                batch[key] = torch.stack(list(batch[key]))
+            batch[key] = torch.stack(list(batch[key]))
         return batch
-
-    return collate
 
 
 class PixelOps:

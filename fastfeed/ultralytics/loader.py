@@ -97,5 +97,5 @@ def _with_device_augmentation(dataset: Any, options: dict[str, Any], device: str
         "device": device,
         "gpu_transform": gpu_augment.PixelOps(),
         "worker_init_fn": gpu_augment.DeferInWorkers(options.get("worker_init_fn")),
-        "collate_fn": gpu_augment.stack_params(collate_fn) if collate_fn else None,
+        "collate_fn": gpu_augment.CanvasCollate(collate_fn) if collate_fn else None,
     }
