@@ -4,7 +4,9 @@
 #   overhead  benchmarks/overhead.py (adds H2D from the ring against the pinned peak)
 #   train     benchmarks/train_step.py, ResNet-50 (bs 256, AMP, channels_last) and YOLO-like
 #   images    benchmarks/images.py: nvjpeg against the CPU path at 16 workers
-# With no arguments it runs all four (about 10 minutes on an H100); name stages to split the
+#   yolo      the batch pixel ops of fastfeed.ultralytics' augment_device on the GPU and, where
+#             Ultralytics and OpenCV are installed, its YOLO loader: stock, patched, augment_device
+# With no arguments it runs all five (about 12 minutes on an H100); name stages to split the
 # work across device calls: bash benchmarks/gpu_suite.sh tests overhead
 # Logs and JSON go under $OUT when it is set (the device tool), else benchmarks/out/.
 # The GPU machine cannot download: the extension is built with the pybind11 and setuptools
@@ -14,7 +16,7 @@ cd "$(dirname "$0")/.."
 out="${OUT:-benchmarks/out}"
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
-stages=("${@:-tests overhead train images}")
+stages=("${@:-tests overhead train images yolo}")
 stages=(${stages[*]})
 
 python3 -m pip install -q --no-build-isolation --no-deps -e . >"$out/install.log" 2>&1 \
@@ -43,7 +45,16 @@ for stage in "${stages[@]}"; do
         images) run images python3 benchmarks/images.py --workers 16 --repeats 3 \
                     --batch-size 128 --configs fastfeed fastfeed-threads fastfeed-nvjpeg \
                     --json "$out/images.json" ;;
-        *) echo "unknown stage $stage (tests, overhead, train, images)"; status=2 ;;
+        yolo)
+            run yolo_ops python3 benchmarks/ultralytics_pipeline.py --ops-device cuda
+            if python3 -c "import ultralytics, cv2" 2>/dev/null; then
+                run yolo_pipeline python3 benchmarks/ultralytics_pipeline.py --workers 8 \
+                    --configs stock,patched,patched-fast,patched-augment,patched-fast-augment \
+                    --json "$out/yolo.json"
+            else
+                echo "== yolo_pipeline: skipped (Ultralytics or OpenCV is not installed here)"
+            fi ;;
+        *) echo "unknown stage $stage (tests, overhead, train, images, yolo)"; status=2 ;;
     esac
 done
 exit $status

@@ -12,6 +12,10 @@ Configurations:
 - ``patched-augment``, ``patched-fast-augment``: ``patch(augment_device="cuda")`` (with and
   without ``fast_decode``): the warp, HSV and flips run on the GPU (not in the default set; on a
   GPU machine only).
+- ``augment-feed``, ``fast-augment-feed``: a diagnostic for CPU-only machines: the workers'
+  side of ``augment_device`` (parameters recorded, canvases shipped) with the device ops
+  skipped, so the images are *not* augmented: the rate at which the CPU could feed a GPU that
+  keeps up.
 
 Each run is a fresh process: one warm-up epoch (workers start, mosaic buffers fill), then
 ``--epochs`` timed epochs; configurations alternate order from repeat to repeat; the table gives
@@ -45,7 +49,9 @@ CONFIGS = ("stock", "patched", "patched-fast")
 PATCHES = {"patched": {}, "patched-fast": {"fast_decode": True},
            "patched-threads": {"worker_mode": "thread"},
            "patched-augment": {"augment_device": "cuda"},
-           "patched-fast-augment": {"fast_decode": True, "augment_device": "cuda"}}
+           "patched-fast-augment": {"fast_decode": True, "augment_device": "cuda"},
+           "augment-feed": {"augment_device": "cpu"},
+           "fast-augment-feed": {"fast_decode": True, "augment_device": "cpu"}}
 
 
 def make_photo_yolo(root: Path, images: int, widths: tuple[int, int], seed: int = 0) -> Path:
@@ -101,6 +107,10 @@ def images_per_s(config: str, root: Path, imgsz: int, workers: int, batch_size: 
 
     if config != "stock":
         fastfeed.ultralytics.patch(**PATCHES[config])
+    if config.endswith("augment-feed"):
+        from fastfeed.ultralytics import gpu_augment
+
+        gpu_augment.PixelOps.__call__ = lambda self, batch: batch  # type: ignore[method-assign]
     torch.manual_seed(0)
     cfg = get_cfg(DEFAULT_CFG, {"imgsz": imgsz})
     data = {"names": {i: str(i) for i in range(8)}, "nc": 8, "channels": 3}
@@ -215,7 +225,7 @@ def device_ops_ms(device: str, imgsz: int, batch_size: int, repeats: int = 20) -
     params[:, 6:8], params[:, 8], params[:, 9] = imgsz, 1, 1
     luts = torch.randint(0, 256, (batch_size, 3, 256), dtype=torch.uint8, generator=g)
     luts[:, 0] %= 180
-    ops = PixelOps()
+    ops = PixelOps(truncate_hsv=True)  # no OpenCV needed to time the ops
     cuda = device.startswith("cuda")
     host = canvas.pin_memory() if cuda else canvas
 

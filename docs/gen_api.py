@@ -16,6 +16,7 @@ sys.path.insert(0, str(ROOT))
 
 import fastfeed  # noqa: E402
 from fastfeed import transforms, ultralytics, vision  # noqa: E402
+from fastfeed.ultralytics import gpu_augment, pixel_ops  # noqa: E402
 
 SECTIONS = [
     ("fastfeed", [fastfeed.FastLoader, fastfeed.LoaderStats, fastfeed.worker_info]),
@@ -28,6 +29,10 @@ SECTIONS = [
         "roi_decoder_available")]),
     ("fastfeed.ultralytics", [ultralytics.patch, ultralytics.unpatch, ultralytics.is_patched,
                               ultralytics.InfiniteFastLoader]),
+    ("fastfeed.ultralytics.gpu_augment", [gpu_augment.PixelOps, gpu_augment.unsupported_reason,
+                                          gpu_augment.defer_pixel_ops]),
+    ("fastfeed.ultralytics.pixel_ops", [pixel_ops.warp_affine, pixel_ops.hsv_lookup,
+                                        pixel_ops.bgr_to_hsv, pixel_ops.hsv_to_bgr]),
 ]
 METHODS = {fastfeed.FastLoader: ["state_dict", "load_state_dict", "stats"],
            fastfeed.LoaderStats: ["summary", "postfix"],

@@ -455,3 +455,11 @@ def test_augment_device_needs_worker_processes():
         fu.patch(augment_device="cuda", worker_mode="thread")
     with pytest.raises(ValueError, match="sets the loader's device"):
         fu.patch(augment_device="cuda", device="cuda")
+
+
+def test_pixel_ops_benchmark_runs(tmp_path):
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "ultralytics_pipeline.py"
+    out = subprocess.run([sys.executable, str(script), "--ops-device", "cpu", "--imgsz", "64",
+                          "--batch-size", "2"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "ms per batch" in out.stdout

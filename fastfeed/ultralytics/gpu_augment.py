@@ -21,7 +21,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import cv2
 import numpy as np
 import torch
 from torch.utils.data import get_worker_info
@@ -79,6 +78,8 @@ def unsupported_reason(dataset: Any) -> str | None:
 
 def opencv_hsv_truncates() -> bool:
     """Whether this OpenCV truncates (OpenCV 5) or rounds (OpenCV 4) in HSV→BGR on uint8."""
+    import cv2  # Ultralytics' dependency, imported only where it is used
+
     probe = np.full((1, 64, 3), (85, 54, 202), np.uint8)  # blue is 194.87 before rounding
     return int(cv2.cvtColor(probe, cv2.COLOR_HSV2BGR)[0, 0, 0]) == 194
 
