@@ -212,17 +212,17 @@ def device_ops_ms(device: str, imgsz: int, batch_size: int, repeats: int = 20) -
     host-to-device copy from page-locked memory on CUDA."""
     import torch
 
-    from fastfeed.ultralytics.gpu_augment import LUT_KEY, PARAMS_KEY, PixelOps
+    from fastfeed.ultralytics.gpu_augment import LUT_KEY, PARAMS_KEY, SIZE_KEY, PixelOps
 
     g = torch.Generator().manual_seed(0)
     canvas = torch.randint(0, 256, (batch_size, 2 * imgsz, 2 * imgsz, 3), dtype=torch.uint8,
                            generator=g)
     angle, scale = (torch.rand(batch_size, generator=g) - 0.5) * 0.2, 0.5 + torch.rand(batch_size)
-    params = torch.zeros(batch_size, 10, dtype=torch.float64)
+    params = torch.zeros(batch_size, 8, dtype=torch.float64)
     params[:, 0], params[:, 1] = scale * angle.cos(), -scale * angle.sin()
     params[:, 3], params[:, 4] = scale * angle.sin(), scale * angle.cos()
     params[:, 2] = params[:, 5] = -imgsz / 2 * scale + imgsz / 2
-    params[:, 6:8], params[:, 8], params[:, 9] = imgsz, 1, 1
+    params[:, 6:8] = 1  # HSV on, channels reversed
     luts = torch.randint(0, 256, (batch_size, 3, 256), dtype=torch.uint8, generator=g)
     luts[:, 0] %= 180
     ops = PixelOps(truncate_hsv=True)  # no OpenCV needed to time the ops
@@ -231,7 +231,7 @@ def device_ops_ms(device: str, imgsz: int, batch_size: int, repeats: int = 20) -
 
     def once() -> None:
         batch = {"img": host.to(device, non_blocking=True), PARAMS_KEY: params.to(device),
-                 LUT_KEY: luts.to(device)}
+                 LUT_KEY: luts.to(device), SIZE_KEY: (imgsz, imgsz)}
         ops(batch)
 
     once()

@@ -75,3 +75,26 @@ def test_device_matches_cpu():
     for cpu, gpu in ((warp_cpu, warp_gpu), (out_cpu, out_gpu)):
         diff = (cpu.int() - gpu.int()).abs()
         assert (diff > 0).float().mean() < 0.001 and diff.max() <= 16
+
+
+@pytest.mark.gpu
+def test_pixel_ops_never_wait_for_the_device():
+    """PixelOps runs on the loader's copy stream from the training thread: it must only
+    enqueue work, never read a device value back."""
+    from fastfeed.ultralytics.gpu_augment import LUT_KEY, PARAMS_KEY, SIZE_KEY, PixelOps
+
+    ops = PixelOps(truncate_hsv=True)
+    params = torch.zeros(2, 8, dtype=torch.float64)
+    params[:, 0] = params[:, 4] = 0.5
+    params[:, 6:8] = 1
+    batch = {"img": random_images(2, 128, 128).cuda(), PARAMS_KEY: params.cuda(),
+             LUT_KEY: torch.arange(256, dtype=torch.uint8).expand(2, 3, 256).contiguous().cuda(),
+             SIZE_KEY: (64, 64)}
+    ops(dict(batch))  # the first call makes the per-device tables
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = ops(dict(batch))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert out["img"].shape == (2, 3, 64, 64) and out["img"].is_cuda

@@ -34,9 +34,11 @@ __all__ = [
 ]
 
 BORDER = 114  # Ultralytics' fill value for mosaic canvases and warps
-# Per sample: the 2×3 matrix, the output width and height, apply-HSV and reverse-channels flags.
+# Per sample: the 2×3 matrix, then the apply-HSV and reverse-channels flags.
 PARAMS_KEY = "fastfeed_pixel_params"
 LUT_KEY = "fastfeed_hsv_lut"
+# The output (width, height): plain Python, so that reading it never waits for the device.
+SIZE_KEY = "fastfeed_output_size"
 
 
 def _flatten(transform: Any) -> Iterator[Any]:
@@ -184,10 +186,10 @@ class _Recorder:
             padded = np.full((size, size, 3), BORDER, np.uint8)
             padded[:height, :width] = canvas  # the border value beyond it: the same warp
         labels["img"] = torch.from_numpy(padded)
-        params = np.concatenate([self.matrix[:2].ravel(), self.size,
-                                 [self.apply_hsv, self.reverse]])
+        params = np.concatenate([self.matrix[:2].ravel(), [self.apply_hsv, self.reverse]])
         labels[PARAMS_KEY] = torch.from_numpy(params)
         labels[LUT_KEY] = torch.from_numpy(self.lut)
+        labels[SIZE_KEY] = tuple(int(v) for v in self.size)
         self.reset()
         return labels
 
@@ -248,6 +250,10 @@ class CanvasCollate:
         stack_into(batch["img"], canvases)
         for key in (PARAMS_KEY, LUT_KEY):
             batch[key] = torch.stack(list(batch[key]))
+        sizes = set(batch[SIZE_KEY])
+        if len(sizes) != 1:
+            raise ValueError(f"fastfeed: one batch asks for several output sizes: {sorted(sizes)}")
+        batch[SIZE_KEY] = sizes.pop()
         return batch
 
 
@@ -270,14 +276,12 @@ class PixelOps:
         if PARAMS_KEY not in batch:
             return batch
         params, luts = batch.pop(PARAMS_KEY), batch.pop(LUT_KEY)
-        sizes = params[:, 6:8].unique(dim=0)
-        if len(sizes) != 1:
-            raise ValueError(f"fastfeed: one batch asks for several output sizes: {sizes.tolist()}")
-        width, height = (int(v) for v in sizes[0].tolist())
-        images = warp_affine(batch["img"], params[:, :6].view(-1, 2, 3), (width, height), BORDER)
-        images = hsv_lookup(images, luts, params[:, 8] > 0, self.truncate_hsv)
+        size = batch.pop(SIZE_KEY)
+        # Nothing here reads device values back: the host only enqueues work on the stream.
+        images = warp_affine(batch["img"], params[:, :6].view(-1, 2, 3), size, BORDER)
+        images = hsv_lookup(images, luts, params[:, 6] > 0, self.truncate_hsv)
         chw = images.permute(0, 3, 1, 2)
-        reverse = (params[:, 9] > 0).to(images.device).view(-1, 1, 1, 1)
+        reverse = (params[:, 7] > 0).to(images.device).view(-1, 1, 1, 1)
         batch["img"] = torch.where(reverse, chw.flip(1), chw).contiguous()
         return batch
 

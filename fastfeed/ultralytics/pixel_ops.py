@@ -15,6 +15,8 @@ drawn elsewhere, by Ultralytics' own code; these functions only apply them.
 
 from __future__ import annotations
 
+from functools import cache
+
 import torch
 
 __all__ = ["bgr_to_hsv", "hsv_lookup", "hsv_to_bgr", "warp_affine"]
@@ -81,6 +83,9 @@ def warp_affine(
     return torch.round(top * (1 - fy) + bottom * fy).clamp(0, 255).to(torch.uint8)
 
 
+# The tables are made once per device: building a tensor from Python data on every batch would
+# make the host wait for the device's copy stream.
+@cache
 def _division_table(numerator: int, device: torch.device) -> torch.Tensor:
     # OpenCV's sdiv_table / hdiv_table180: round(numerator / i), 0 for i = 0
     i = torch.arange(256, dtype=torch.float64, device=device)
@@ -103,8 +108,11 @@ def bgr_to_hsv(images: torch.Tensor) -> torch.Tensor:
     return torch.stack([h, s, v], -1).to(torch.uint8)
 
 
-# For each sector of the hue circle, which of (v, p, q, t) is blue, green and red.
-_SECTORS = ((1, 3, 0), (1, 0, 2), (3, 0, 1), (0, 2, 1), (0, 1, 3), (2, 1, 0))
+@cache
+def _sectors(device: torch.device) -> torch.Tensor:
+    # For each sector of the hue circle, which of (v, p, q, t) is blue, green and red.
+    sectors = ((1, 3, 0), (1, 0, 2), (3, 0, 1), (0, 2, 1), (0, 1, 3), (2, 1, 0))
+    return torch.tensor(sectors, device=device)
 
 
 def hsv_to_bgr(hsv: torch.Tensor, truncate: bool = True) -> torch.Tensor:
@@ -120,7 +128,7 @@ def hsv_to_bgr(hsv: torch.Tensor, truncate: bool = True) -> torch.Tensor:
     frac = h - sector
     sector = sector.to(torch.int64).clamp(0, 5)
     tab = torch.stack([v, v * (1 - s), v * (1 - s * frac), v * (1 - s * (1 - frac))], -1)
-    order = torch.tensor(_SECTORS, device=hsv.device)[sector]  # …×3 indices into tab
+    order = _sectors(hsv.device)[sector]  # …×3 indices into tab
     bgr = torch.gather(tab, -1, order)
     bgr = torch.where((s == 0).unsqueeze(-1), v.unsqueeze(-1).expand_as(bgr), bgr)
     bgr = bgr * 255.0
