@@ -10,7 +10,10 @@
 # work across device calls: bash benchmarks/gpu_suite.sh tests overhead
 # Logs and JSON go under $OUT when it is set (the device tool), else benchmarks/out/.
 # The GPU machine cannot download: the extension is built with the pybind11 and setuptools
-# already installed there (--no-build-isolation), against its own torch.
+# already installed there (--no-build-isolation), against its own torch. Ultralytics is not
+# installed there (its OpenCV is); wheels in .whl/ (carried, git-ignored) are installed first:
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl \
+#       ultralytics==8.4.190 ultralytics-thop==2.2.3
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-benchmarks/out}"
@@ -22,6 +25,10 @@ stages=(${stages[*]})
 python3 -m pip install -q --no-build-isolation --no-deps -e . >"$out/install.log" 2>&1 \
     || echo "install failed (see install.log); running from the source tree" | tee -a "$out/install.log"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+        >"$out/wheels.log" 2>&1 && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
 
 status=0
 run() {  # run NAME CMD...: log to $out/NAME.log, keep going, remember failures
