@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <cstring>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 namespace py = pybind11;
@@ -75,8 +76,12 @@ void gather(uintptr_t dst, const std::vector<uintptr_t>& sources, size_t nbytes,
     });
 }
 
+// A uint8 image as (address of pixel (0, 0) channel 0, row, column and channel strides in
+// bytes). Strides may be negative: a mirrored view, or channels read in reverse (BGR as RGB).
+using StridedImage = std::tuple<uintptr_t, int64_t, int64_t, int64_t>;
+
 // Gathers uint8 HWC images into a uint8 NCHW batch, transposing in the same pass.
-void gather_hwc_to_chw(uintptr_t dst, const std::vector<uintptr_t>& sources, size_t height,
+void gather_hwc_to_chw(uintptr_t dst, const std::vector<StridedImage>& sources, size_t height,
                        size_t width, size_t channels, int threads) {
     const size_t plane = height * width;
     const size_t image = plane * channels;
@@ -87,12 +92,25 @@ void gather_hwc_to_chw(uintptr_t dst, const std::vector<uintptr_t>& sources, siz
     parallel_ranges(rows, nthreads, [&](size_t begin, size_t end) {
         for (size_t r = begin; r < end; ++r) {
             const size_t n = r / height, y = r % height;
-            const auto* src = reinterpret_cast<const uint8_t*>(sources[n]) + y * width * channels;
+            const auto& [base, row_stride, col_stride, channel_stride] = sources[n];
+            const auto* row = reinterpret_cast<const uint8_t*>(base) +
+                              static_cast<int64_t>(y) * row_stride;
             uint8_t* dst_row = out + n * image + y * width;
+            if (channels == 3) {  // one pass over the source row, writing the three planes
+                uint8_t *d0 = dst_row, *d1 = dst_row + plane, *d2 = dst_row + 2 * plane;
+                const int64_t c1 = channel_stride, c2 = 2 * channel_stride;
+                for (size_t x = 0; x < width; ++x) {
+                    const uint8_t* px = row + static_cast<int64_t>(x) * col_stride;
+                    d0[x] = px[0];
+                    d1[x] = px[c1];
+                    d2[x] = px[c2];
+                }
+                continue;
+            }
             for (size_t c = 0; c < channels; ++c) {
                 uint8_t* d = dst_row + c * plane;
-                const uint8_t* s = src + c;
-                for (size_t x = 0; x < width; ++x) d[x] = s[x * channels];
+                const uint8_t* s = row + static_cast<int64_t>(c) * channel_stride;
+                for (size_t x = 0; x < width; ++x) d[x] = s[static_cast<int64_t>(x) * col_stride];
             }
         }
     });
@@ -107,5 +125,6 @@ PYBIND11_MODULE(_C, m) {
           "Copy each source (nbytes each) to dst + i * nbytes. threads=0 picks by size.");
     m.def("gather_hwc_to_chw", &gather_hwc_to_chw, py::arg("dst"), py::arg("sources"),
           py::arg("height"), py::arg("width"), py::arg("channels"), py::arg("threads") = 0,
-          "Gather uint8 HWC images into a uint8 NCHW batch at dst.");
+          "Gather uint8 HWC images, each (address, row, column and channel strides in bytes), "
+          "into a uint8 NCHW batch at dst.");
 }

@@ -59,27 +59,50 @@ def stack_into(out: torch.Tensor, samples: Sequence[torch.Tensor], threads: int 
         torch.stack(list(samples), 0, out=out)
 
 
+def _strided(image: np.ndarray | torch.Tensor, reverse: bool) -> tuple[int, int, int, int]:
+    """``(address of element (0, 0, 0), row, column, channel strides)`` in bytes of a uint8
+    ``H×W×C`` image, its channels read last to first when ``reverse``."""
+    if isinstance(image, torch.Tensor):
+        address, (row, column, channel) = image.data_ptr(), image.stride()
+    else:
+        address, (row, column, channel) = image.__array_interface__["data"][0], image.strides
+    if reverse:
+        address, channel = address + (image.shape[2] - 1) * channel, -channel
+    return address, row, column, channel
+
+
 def stack_hwc_to_chw(
-    out: torch.Tensor, images: Sequence[np.ndarray | torch.Tensor], threads: int | None = None
+    out: torch.Tensor,
+    images: Sequence[np.ndarray | torch.Tensor],
+    reverse_channels: Sequence[bool] | None = None,
+    threads: int | None = None,
 ) -> None:
     """Gather uint8 ``H×W×C`` images into the uint8 ``N×C×H×W`` tensor ``out`` in one pass.
 
-    Equivalent to ``torch.stack([torch.as_tensor(i).permute(2, 0, 1) for i in images], out=out)``.
+    Equivalent to ``torch.stack([torch.as_tensor(i).permute(2, 0, 1) for i in images], out=out)``,
+    with image ``i``'s channels reversed (BGR to RGB) where ``reverse_channels[i]``. Images may
+    be any strided view, mirrored numpy views (negative strides) included: no copy is made first.
     """
     if out.dtype != torch.uint8 or out.dim() != 4 or not out.is_contiguous():
         raise ValueError("out must be a contiguous uint8 N×C×H×W tensor")
     n, c, h, w = out.shape
     if len(images) != n:
         raise ValueError(f"out holds {n} images but {len(images)} were given")
-    sources = [torch.as_tensor(image) for image in images]
-    for i, src in enumerate(sources):
-        if src.dtype != torch.uint8 or tuple(src.shape) != (h, w, c):
+    reverse = [False] * n if reverse_channels is None else list(reverse_channels)
+    if len(reverse) != n:
+        raise ValueError(f"reverse_channels has {len(reverse)} flags for {n} images")
+    for i, image in enumerate(images):
+        dtype_ok = image.dtype == (torch.uint8 if isinstance(image, torch.Tensor) else np.uint8)
+        if not dtype_ok or tuple(image.shape) != (h, w, c):
             raise ValueError(
-                f"image {i} has shape {tuple(src.shape)} and dtype {src.dtype}; "
+                f"image {i} has shape {tuple(image.shape)} and dtype {image.dtype}; "
                 f"expected ({h}, {w}, {c}) uint8"
             )
-    if _C is not None and all(src.is_contiguous() for src in sources):
-        _C.gather_hwc_to_chw(out.data_ptr(), [s.data_ptr() for s in sources], h, w, c,
+    pairs = list(zip(images, reverse, strict=True))
+    if _C is not None:
+        _C.gather_hwc_to_chw(out.data_ptr(), [_strided(image, r) for image, r in pairs], h, w, c,
                              _copy_threads if threads is None else threads)
     else:
-        torch.stack([src.permute(2, 0, 1) for src in sources], 0, out=out)
+        chw = [(np.asarray(image).transpose(2, 0, 1), r) for image, r in pairs]
+        torch.stack([torch.from_numpy(np.ascontiguousarray(x[::-1] if r else x)) for x, r in chw],
+                    0, out=out)

@@ -82,6 +82,28 @@ def test_hwc_to_chw_non_contiguous_and_bad_input():
         _copy.stack_hwc_to_chw(out.float(), images)
 
 
+def strided_views(rng):
+    """Views a pipeline produces: mirrored both ways, cropped, and a transposed tensor."""
+    base = rng.integers(0, 255, (12, 16, 3), dtype=np.uint8)
+    return [np.fliplr(base[:, :12]), np.flipud(base[:, 2:14]), base[::1, 4:16],
+            torch.from_numpy(rng.integers(0, 255, (12, 12, 3), dtype=np.uint8)).transpose(0, 1)]
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["extension", "fallback"])
+def test_hwc_to_chw_strided_views_and_channel_reversal(monkeypatch, compiled):
+    if not compiled:
+        monkeypatch.setattr(_copy, "_C", None)
+    images = strided_views(np.random.default_rng(3))
+    reverse = [True, False, True, False]
+    out = torch.empty((4, 3, 12, 12), dtype=torch.uint8)
+    _copy.stack_hwc_to_chw(out, images, reverse_channels=reverse)
+    expected = [np.asarray(i).transpose(2, 0, 1) for i in images]
+    expected = np.stack([x[::-1] if r else x for x, r in zip(expected, reverse, strict=True)])
+    assert np.array_equal(out.numpy(), expected)
+    with pytest.raises(ValueError, match="3 flags for 4 images"):
+        _copy.stack_hwc_to_chw(out, images, reverse_channels=reverse[:3])
+
+
 def test_pure_torch_fallback_matches(monkeypatch):
     monkeypatch.setattr(_copy, "_C", None)
     samples = [torch.arange(12, dtype=torch.float32).view(3, 4) + i for i in range(4)]

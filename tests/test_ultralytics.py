@@ -139,10 +139,36 @@ def test_patched_loader_has_ultralytics_arguments(yolo_root):
     torch.manual_seed(0)
     loader = build_dataloader(dataset(yolo_root)[1], 4, 2, shuffle=True, rank=-1)
     assert isinstance(loader, fu.InfiniteFastLoader)
-    assert loader.worker_init_fn is seed_worker and loader.generator is not None
+    # Ultralytics' seed_worker and collate_fn run inside the wrappers that gather the images
+    # into the ring slot.
+    assert loader.worker_init_fn.init is seed_worker and loader.generator is not None
+    assert loader.collate_fn.collate_fn is loader.dataset.collate_fn
+    assert loader.worker_init_fn.prepare.__name__ == "format_into_slot"
     assert (loader.num_workers, loader.prefetch_factor, loader.batch_size) == (2, 4, 4)
     assert loader.log_every == 1000 and len(loader) == 6
-    assert loader.collate_fn is loader.dataset.collate_fn
+
+
+@pytest.mark.parametrize("mode", ["train", "val"])
+def test_images_gathered_into_the_slot_equal_stock(yolo_root, mode):
+    """Format hands over its (mirrored) HWC view and channel order; SlotCollate gathers them
+    transposed into one tensor: the stock batch, byte for byte, with the same random draws."""
+    from fastfeed.ultralytics.collate import FormattedImage, SlotCollate, format_into_slot
+
+    batches = []
+    for prepared in (False, True):
+        data = dataset(yolo_root, mode=mode)[1]
+        collate = data.collate_fn
+        if prepared:
+            format_into_slot(data)
+            collate = SlotCollate(collate)
+        random.seed(0)
+        np.random.seed(0)
+        torch.manual_seed(0)
+        samples = [data[i] for i in range(8)]
+        if prepared:
+            assert all(isinstance(s["img"], FormattedImage) for s in samples)
+        batches.append([collate(samples[:4]), collate(samples[4:]), random.random()])
+    assert_same(batches[1], batches[0])
 
 
 def test_workers_persist_across_epochs_and_restart_on_reset(yolo_root):

@@ -18,19 +18,17 @@ Albumentations); :func:`unsupported_reason` names what stops any other.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import get_worker_info
 
-from fastfeed._copy import stack_into
+from fastfeed.ultralytics.collate import Empty, SlotCollate, flatten
 from fastfeed.ultralytics.pixel_ops import hsv_lookup, warp_affine
 
 __all__ = [
-    "CanvasCollate", "DeferInWorkers", "PixelOps", "defer_pixel_ops", "opencv_hsv_truncates",
-    "unsupported_reason",
+    "CanvasCollate", "PixelOps", "defer_pixel_ops", "opencv_hsv_truncates", "unsupported_reason",
 ]
 
 BORDER = 114  # Ultralytics' fill value for mosaic canvases and warps
@@ -41,16 +39,6 @@ LUT_KEY = "fastfeed_hsv_lut"
 SIZE_KEY = "fastfeed_output_size"
 
 
-def _flatten(transform: Any) -> Iterator[Any]:
-    from ultralytics.data.augment import Compose
-
-    if isinstance(transform, Compose):
-        for inner in transform.transforms:
-            yield from _flatten(inner)
-    else:
-        yield transform
-
-
 def unsupported_reason(dataset: Any) -> str | None:
     """Why ``dataset``'s pixel work cannot move to the device, or ``None`` if it can."""
     from ultralytics.data import augment as A
@@ -59,7 +47,7 @@ def unsupported_reason(dataset: Any) -> str | None:
         return "the dataset does not augment (validation)"
     if getattr(dataset, "channels", 3) != 3:
         return "the images are not 3-channel"
-    transforms = list(_flatten(getattr(dataset, "transforms", None)))
+    transforms = list(flatten(getattr(dataset, "transforms", None)))
     warps = [i for i, t in enumerate(transforms) if isinstance(t, A.RandomPerspective)]
     if len(warps) != 1:
         return "the pipeline has no single RandomPerspective"
@@ -113,7 +101,7 @@ class _Recorder:
     def __init__(self, dataset: Any) -> None:
         from ultralytics.data import augment as A
 
-        transforms = list(_flatten(dataset.transforms))
+        transforms = list(flatten(dataset.transforms))
         mosaic = any(isinstance(t, A.Mosaic) and t.p > 0 for t in transforms)
         self.canvas_size = dataset.imgsz * (2 if mosaic else 1)
         self.reset()
@@ -206,48 +194,13 @@ def defer_pixel_ops(dataset: Any) -> None:
     _Recorder(dataset)
 
 
-class DeferInWorkers:
-    """A ``worker_init_fn`` that defers the worker's dataset's pixel work, then calls ``init``.
+class CanvasCollate(SlotCollate):
+    """:class:`SlotCollate` for recorded samples: the canvases are gathered into the slot as
+    ``B×S×S×3`` (four times the bytes of the images they become, so the copy saved counts), and
+    the per-sample parameters are stacked into two small tensors and one output size."""
 
-    Workers restart after Ultralytics rebuilds the transforms (``close_mosaic``), so every
-    worker wraps the transforms it was given.
-    """
-
-    def __init__(self, init: Callable[[int], None] | None) -> None:
-        self.init = init
-
-    def __call__(self, worker_id: int) -> None:
-        info = get_worker_info()
-        if info is not None:
-            defer_pixel_ops(info.dataset)
-        if self.init is not None:
-            self.init(worker_id)
-
-
-class CanvasCollate:
-    """Ultralytics' ``collate_fn`` for recorded samples, with the canvases stacked in the slot.
-
-    The canvases are four times the bytes of the images they become; gathering them straight
-    into the ring slot (FastLoader's slot-aware ``collate_into``) saves stacking them into a
-    tensor first and copying that into the slot. The per-sample parameters are stacked into
-    two small tensors; everything else is Ultralytics' collate.
-    """
-
-    def __init__(self, collate_fn: Callable[[list], dict]) -> None:
-        self.collate_fn = collate_fn
-
-    def __call__(self, samples: list[dict]) -> dict:
-        return self.collate_into(samples, lambda shape, dtype: torch.empty(shape, dtype=dtype))
-
-    def collate_into(self, samples: list[dict],
-                     empty: Callable[[tuple[int, ...], torch.dtype], torch.Tensor]) -> dict:
-        canvases = [sample["img"] for sample in samples]
-        if any(c.shape != canvases[0].shape for c in canvases):
-            raise ValueError("fastfeed: the canvases of one batch differ in size: "
-                             f"{sorted({tuple(c.shape) for c in canvases})}")
-        batch = self.collate_fn([{k: v for k, v in s.items() if k != "img"} for s in samples])
-        batch["img"] = empty((len(canvases), *canvases[0].shape), torch.uint8)
-        stack_into(batch["img"], canvases)
+    def collate_into(self, samples: list[dict], empty: Empty) -> dict:
+        batch = super().collate_into(samples, empty)
         for key in (PARAMS_KEY, LUT_KEY):
             batch[key] = torch.stack(list(batch[key]))
         sizes = set(batch[SIZE_KEY])

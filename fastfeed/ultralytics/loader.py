@@ -48,9 +48,8 @@ class InfiniteFastLoader(FastLoader):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         options = {**self.fastloader_options, **kwargs}
-        if self.augment_device is not None:
-            dataset = args[0] if args else options.get("dataset")
-            options = _with_device_augmentation(dataset, options, self.augment_device)
+        dataset = args[0] if args else options.get("dataset")
+        options = _with_slot_images(dataset, options, self.augment_device)
         super().__init__(*args, **options)
         if self.batch_sampler is None:
             raise ValueError("InfiniteFastLoader needs batches: pass a batch_size")
@@ -78,24 +77,26 @@ class InfiniteFastLoader(FastLoader):
         self.close()
 
 
-def _with_device_augmentation(dataset: Any, options: dict[str, Any], device: str
-                              ) -> dict[str, Any]:
-    """``options`` that move ``dataset``'s pixel work to ``device``, where it qualifies."""
-    from fastfeed.ultralytics import gpu_augment
+def _with_slot_images(dataset: Any, options: dict[str, Any], augment_device: str | None
+                      ) -> dict[str, Any]:
+    """``options`` whose collate gathers the images into the ring slot, and, with
+    ``augment_device``, whose workers leave the pixel work to that device where it qualifies."""
+    from fastfeed.ultralytics import collate, gpu_augment
 
-    reason = gpu_augment.unsupported_reason(dataset)
-    if reason is None and not options.get("num_workers"):
-        reason = "it runs without workers, which record the parameters"
-    if reason is not None:
+    collate_fn, init = options.get("collate_fn"), options.get("worker_init_fn")
+    if collate_fn is None or not collate.gathers_images(dataset, collate_fn):
+        return options
+    if augment_device is not None:
+        reason = gpu_augment.unsupported_reason(dataset)
+        if reason is None and not options.get("num_workers"):
+            reason = "it runs without workers, which record the parameters"
+        if reason is None:
+            return {**options, "device": augment_device,
+                    "gpu_transform": gpu_augment.PixelOps(),
+                    "worker_init_fn": collate.InWorkers(gpu_augment.defer_pixel_ops, init),
+                    "collate_fn": gpu_augment.CanvasCollate(collate_fn)}
         if getattr(dataset, "augment", False):  # validation loaders are expected to stay put
             warnings.warn(f"fastfeed: Ultralytics' augmentation stays on the CPU: {reason}",
                           RuntimeWarning, stacklevel=3)
-        return options
-    collate_fn = options.get("collate_fn")
-    return {
-        **options,
-        "device": device,
-        "gpu_transform": gpu_augment.PixelOps(),
-        "worker_init_fn": gpu_augment.DeferInWorkers(options.get("worker_init_fn")),
-        "collate_fn": gpu_augment.CanvasCollate(collate_fn) if collate_fn else None,
-    }
+    return {**options, "worker_init_fn": collate.InWorkers(collate.format_into_slot, init),
+            "collate_fn": collate.SlotCollate(collate_fn)}

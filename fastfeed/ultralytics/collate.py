@@ -1,0 +1,124 @@
+"""Ultralytics' ``collate_fn`` with ``batch["img"]`` gathered straight into the ring slot.
+
+Stock, each worker's ``Format`` copies every image to a contiguous ``C×H×W`` tensor (reversing
+BGR to RGB), ``YOLODataset.collate_fn`` stacks those into a batch, and a loader then copies the
+batch into shared memory: three passes over the pixels. Here, inside each worker, ``Format``
+hands over the ``H×W×C`` view it was given (mirrored by the flips or not) and the channel order
+it drew, and the collate gathers every image transposed, in its channel order, into the slot:
+one pass. Ultralytics' own code draws every random number and builds every other key; the batch
+is the stock one, byte for byte.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+from torch.utils.data import get_worker_info
+
+from fastfeed._copy import stack_hwc_to_chw, stack_into
+
+__all__ = ["FormattedImage", "InWorkers", "SlotCollate", "flatten", "format_into_slot",
+           "gathers_images"]
+
+Empty = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
+
+
+class FormattedImage(NamedTuple):
+    """An image ``Format`` left for the collate: its ``H×W×C`` view and channel order."""
+
+    hwc: np.ndarray
+    reverse: bool
+
+
+def flatten(transform: Any) -> Iterator[Any]:
+    """The transforms of an Ultralytics ``Compose``, nested ones in order."""
+    from ultralytics.data.augment import Compose
+
+    if isinstance(transform, Compose):
+        for inner in transform.transforms:
+            yield from flatten(inner)
+    else:
+        yield transform
+
+
+def gathers_images(dataset: Any, collate_fn: Any) -> bool:
+    """Whether ``dataset``'s batches can have their images gathered by :class:`SlotCollate`:
+    Ultralytics' ``YOLODataset.collate_fn`` over transforms that end with its ``Format``."""
+    try:
+        from ultralytics.data.augment import Format
+        from ultralytics.data.dataset import YOLODataset
+    except ImportError:
+        return False
+    transforms = list(flatten(getattr(dataset, "transforms", None)))
+    return (collate_fn is YOLODataset.collate_fn and bool(transforms)
+            and type(transforms[-1]) is Format)
+
+
+def format_into_slot(dataset: Any) -> None:
+    """Make ``dataset``'s ``Format`` (in this process) hand its images to :class:`SlotCollate`."""
+    transform = list(flatten(dataset.transforms))[-1]
+    format_img = transform._format_img
+
+    def formatted(img: np.ndarray) -> FormattedImage:
+        hwc = img if img.ndim == 3 else img[..., None]
+        # The stock call on a 1×1 marker: the same random draw, and the order it chose.
+        marker = np.arange(hwc.shape[2], dtype=np.uint8).reshape(1, 1, -1)
+        reverse = hwc.shape[2] > 1 and int(format_img(marker)[0, 0, 0]) == hwc.shape[2] - 1
+        return FormattedImage(hwc, reverse)
+
+    transform._format_img = formatted
+
+
+class InWorkers:
+    """A ``worker_init_fn`` that applies ``prepare`` to the worker's dataset, then ``init``.
+
+    Workers restart after Ultralytics rebuilds the transforms (``close_mosaic``), so every
+    worker prepares the transforms it was given; the main process's dataset stays stock.
+    """
+
+    def __init__(self, prepare: Callable[[Any], None], init: Callable[[int], None] | None
+                 ) -> None:
+        self.prepare = prepare
+        self.init = init
+
+    def __call__(self, worker_id: int) -> None:
+        info = get_worker_info()
+        if info is not None:
+            self.prepare(info.dataset)
+        if self.init is not None:
+            self.init(worker_id)
+
+
+class SlotCollate:
+    """Ultralytics' ``collate_fn``, with ``batch["img"]`` written straight into the ring slot.
+
+    A sample's ``img`` is a :class:`FormattedImage` (gathered as ``C×H×W``), or a tensor
+    (stacked as it is: ``Format``'s own output where the workers were not prepared, or a canvas
+    for the device). Every other key is Ultralytics' collate.
+    """
+
+    def __init__(self, collate_fn: Callable[[list], dict]) -> None:
+        self.collate_fn = collate_fn
+
+    def __call__(self, samples: list[dict]) -> dict:
+        return self.collate_into(samples, lambda shape, dtype: torch.empty(shape, dtype=dtype))
+
+    def collate_into(self, samples: list[dict], empty: Empty) -> dict:
+        """Collate ``samples``, taking ``batch["img"]`` from ``empty(shape, dtype)``."""
+        images = [sample["img"] for sample in samples]
+        batch = self.collate_fn([{k: v for k, v in s.items() if k != "img"} for s in samples])
+        shapes = {tuple(image.hwc.shape if isinstance(image, FormattedImage) else image.shape)
+                  for image in images}
+        if len(shapes) != 1:
+            raise ValueError(f"fastfeed: the images of one batch differ in shape: {sorted(shapes)}")
+        if isinstance(images[0], FormattedImage):
+            height, width, channels = shapes.pop()
+            stacked = empty((len(images), channels, height, width), torch.uint8)
+            stack_hwc_to_chw(stacked, [i.hwc for i in images], [i.reverse for i in images])
+        else:
+            stacked = empty((len(images), *shapes.pop()), images[0].dtype)
+            stack_into(stacked, images)
+        return dict(sorted({**batch, "img": stacked}.items()))  # Ultralytics sorts its keys
