@@ -149,21 +149,32 @@ class GpuSampler:
 
 
 def batch_length(batch: Any, auto_collation: bool) -> int:
-    """Samples in a batch: the leading size of its first tensor (1 without auto-collation)."""
+    """Samples in a batch: the leading size of its largest tensor (1 without auto-collation).
+
+    The largest, not the first: a detection batch often leads with per-box tensors (Ultralytics
+    sorts its keys, so ``batch_idx`` comes before ``img``). A batch without tensors counts the
+    first list of plain values (file names, say).
+    """
     if not auto_collation:
         return 1
+    largest: torch.Tensor | None = None
+    values: int | None = None
     stack = [batch]
     while stack:
         item = stack.pop(0)
         if isinstance(item, torch.Tensor):
-            return int(item.shape[0]) if item.dim() else 1
-        if isinstance(item, Mapping):
+            if largest is None or item.numel() > largest.numel():
+                largest = item
+        elif isinstance(item, Mapping):
             stack.extend(item.values())
         elif isinstance(item, (list, tuple)):
             if item and not isinstance(item[0], (torch.Tensor, Mapping, list, tuple)):
-                return len(item)
-            stack.extend(item)
-    return 1
+                values = len(item) if values is None else values
+            else:
+                stack.extend(item)
+    if largest is not None:
+        return int(largest.shape[0]) if largest.dim() else 1
+    return values if values is not None else 1
 
 
 class Telemetry:

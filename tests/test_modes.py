@@ -105,6 +105,20 @@ def test_worker_mode_auto_tries_both_then_keeps_one():
     assert any("worker_mode auto" in d for d in loader.stats().decisions)
 
 
+def boxes_first_collate(samples):
+    """Per-box tensors first, as Ultralytics' sorted keys put them: 3 boxes per image."""
+    return {"batch_idx": torch.arange(3 * len(samples)), "img": torch.zeros(len(samples), 8),
+            "im_file": tuple(str(i) for i in range(len(samples)))}
+
+
+@pytest.mark.parametrize("collate_fn", [boxes_first_collate, lambda s: [str(i) for i in s]],
+                         ids=["detection", "no-tensors"])
+def test_stats_count_samples_not_boxes(collate_fn):
+    loader = FastLoader(TensorDataset(n=10), batch_size=4, collate_fn=collate_fn)
+    list(loader)
+    assert loader.stats().samples == 10
+
+
 @pytest.mark.parametrize("num_workers", [0, 2])
 @pytest.mark.parametrize("mode", ["process", "thread"])
 def test_stats_are_consistent(num_workers, mode):
