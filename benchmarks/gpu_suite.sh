@@ -6,7 +6,8 @@
 #   images    benchmarks/images.py: nvjpeg against the CPU path at 16 workers
 #   yolo      the batch pixel ops of fastfeed.ultralytics' augment_device on the GPU and, where
 #             Ultralytics and OpenCV are installed, its YOLO loader: stock, patched, augment_device
-# With no arguments it runs all five (about 12 minutes on an H100); name stages to split the
+#   yolo_train  where Ultralytics is installed: yolov8n training, images/s and data stall
+# With no arguments it runs all six (about 20 minutes on an H100); name stages to split the
 # work across device calls: bash benchmarks/gpu_suite.sh tests overhead
 # Logs and JSON go under $OUT when it is set (the device tool), else benchmarks/out/.
 # The GPU machine cannot download: the extension is built with the pybind11 and setuptools
@@ -19,7 +20,7 @@ cd "$(dirname "$0")/.."
 out="${OUT:-benchmarks/out}"
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
-stages=("${@:-tests overhead train images yolo}")
+stages=("${@:-tests overhead train images yolo yolo_train}")
 stages=(${stages[*]})
 
 python3 -m pip install -q --no-build-isolation --no-deps -e . >"$out/install.log" 2>&1 \
@@ -61,7 +62,15 @@ for stage in "${stages[@]}"; do
             else
                 echo "== yolo_pipeline: skipped (Ultralytics or OpenCV is not installed here)"
             fi ;;
-        *) echo "unknown stage $stage (tests, overhead, train, images, yolo)"; status=2 ;;
+        yolo_train)
+            if python3 -c "import ultralytics, cv2" 2>/dev/null; then
+                run yolo_train python3 benchmarks/yolo_train_stall.py --device 0 --workers 8 \
+                    --json "$out/yolo_train.json"
+            else
+                echo "== yolo_train: skipped (Ultralytics or OpenCV is not installed here)"
+            fi ;;
+        *) echo "unknown stage $stage (tests, overhead, train, images, yolo, yolo_train)"
+           status=2 ;;
     esac
 done
 exit $status

@@ -1,0 +1,145 @@
+"""The data stall of a real Ultralytics YOLO training run, stock against fastfeed.
+
+``YOLO("yolov8n.yaml").train(...)`` on the generated photo set of
+``benchmarks/ultralytics_pipeline.py`` (mosaic kept on, no validation, plots off), one fresh
+process per configuration and repeat, configurations alternating order. Callbacks time each
+epoch and the wait for every batch: from one ``on_train_batch_end`` to the next
+``on_train_batch_start``, which is the trainer's ``for batch in loader`` (Ultralytics reads its
+loss values every step, so the GPU has finished the step by then). The first epoch warms up;
+the table gives, per configuration, the medians over the later epochs of images/s and of the
+stall (waited / epoch time).
+
+Configurations: ``stock``; ``patched`` (``fastfeed.ultralytics.patch()``); ``fast``
+(``fast_decode``); ``augment`` (``augment_device="cuda"``); ``fast-augment`` (both).
+
+    python benchmarks/yolo_train_stall.py --device 0 --json benchmarks/out/yolo-stall.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fastfeed.progress import progress
+
+PATCHES: dict[str, dict | None] = {
+    "stock": None, "patched": {}, "fast": {"fast_decode": True},
+    "augment": {"augment_device": "cuda"},
+    "fast-augment": {"fast_decode": True, "augment_device": "cuda"},
+}
+
+
+def train_once(config: str, data_yaml: Path, args: argparse.Namespace, project: Path) -> dict:
+    """Images/s and stall of each epoch after the first, in this process."""
+    os.environ["YOLO_OFFLINE"] = "1"
+    from ultralytics import YOLO
+
+    import fastfeed.ultralytics
+
+    options = PATCHES[config]
+    if options is not None:
+        fastfeed.ultralytics.patch(**options)
+    epochs: list[dict] = []
+    clock: dict[str, float] = {}
+
+    def epoch_start(trainer) -> None:
+        clock.update(start=time.perf_counter(), waited=0.0, images=0)
+        clock.pop("batch_end", None)  # the first batch of an epoch also starts the iterator
+
+    def batch_start(trainer) -> None:
+        if "batch_end" in clock:
+            clock["waited"] += time.perf_counter() - clock["batch_end"]
+
+    def batch_end(trainer) -> None:
+        clock["images"] += trainer.batch_size
+        clock["batch_end"] = time.perf_counter()
+
+    def epoch_end(trainer) -> None:
+        elapsed = time.perf_counter() - clock["start"]
+        epochs.append({"images_per_s": clock["images"] / elapsed,
+                       "stall": clock["waited"] / elapsed})
+
+    model = YOLO("yolov8n.yaml")
+    for event, callback in [("on_train_epoch_start", epoch_start),
+                            ("on_train_batch_start", batch_start),
+                            ("on_train_batch_end", batch_end),
+                            ("on_train_epoch_end", epoch_end)]:
+        model.add_callback(event, callback)
+    model.train(data=str(data_yaml), epochs=args.epochs, imgsz=args.imgsz, batch=args.batch,
+                workers=args.workers, device=args.device, close_mosaic=0, val=False,
+                plots=False, amp=args.device != "cpu", project=str(project), name=config,
+                exist_ok=True, verbose=False)
+    timed = epochs[1:] or epochs
+    return {key: statistics.median(e[key] for e in timed) for key in ("images_per_s", "stall")}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--configs", default="stock,patched,fast,augment,fast-augment")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--epochs", type=int, default=3, help="the first one warms up")
+    parser.add_argument("--imgsz", type=int, default=640)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--device", default="0")
+    parser.add_argument("--images", type=int, default=400)
+    parser.add_argument("--widths", default="1280,1920")
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--one", help=argparse.SUPPRESS)
+    parser.add_argument("--data-yaml", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--project", type=Path, default=Path("/tmp/fastfeed-yolo-stall"))
+    args = parser.parse_args()
+
+    if args.one:
+        print(json.dumps(train_once(args.one, args.data_yaml, args, args.project)))
+        return
+
+    from benchmarks.ultralytics_pipeline import make_photo_yolo
+    from fastfeed.bench.data import CACHE
+
+    lo, hi = (int(w) for w in args.widths.split(","))
+    root = CACHE / f"yolo-photos-{args.images}-{lo}-{hi}"
+    if not root.exists():
+        make_photo_yolo(root, args.images, (lo, hi))
+    data_yaml = root / "data.yaml"
+    data_yaml.write_text(f"path: {root}\ntrain: images\nval: images\nnames:\n"
+                         + "".join(f"  {i}: c{i}\n" for i in range(8)))
+    configs = args.configs.split(",")
+    jobs = [c for r in range(args.repeats) for c in (configs if r % 2 == 0 else configs[::-1])]
+    results: dict[str, list[dict]] = {c: [] for c in configs}
+    child = [sys.executable, __file__, "--data-yaml", str(data_yaml), "--epochs",
+             str(args.epochs), "--imgsz", str(args.imgsz), "--batch", str(args.batch),
+             "--workers", str(args.workers), "--device", args.device, "--project",
+             str(args.project)]
+    for config in progress(jobs, total=len(jobs), desc="yolo training"):
+        out = subprocess.run([*child, "--one", config], capture_output=True, text=True,
+                             check=False)
+        if out.returncode:
+            sys.exit(f"{config} failed:\n{out.stderr[-4000:]}")
+        results[config].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    print(f"\nyolov8n training, {root.name}, imgsz {args.imgsz}, batch {args.batch}, "
+          f"{args.workers} workers, device {args.device}: medians of {args.repeats} runs × "
+          f"{max(args.epochs - 1, 1)} timed epochs\n")
+    print("| loader | images/s | vs stock | data stall |\n|---|---|---|---|")
+    medians = {c: {k: statistics.median(r[k] for r in runs) for k in ("images_per_s", "stall")}
+               for c, runs in results.items()}
+    base = medians.get("stock", {}).get("images_per_s")
+    for config, m in medians.items():
+        ratio = f"{m['images_per_s'] / base:.2f}×" if base else "n/a"
+        print(f"| {config} | {m['images_per_s']:,.0f} | {ratio} | {100 * m['stall']:.1f} % |")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"runs": results, "medians": medians}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
