@@ -148,15 +148,18 @@ def test_patched_loader_has_ultralytics_arguments(yolo_root):
     assert loader.log_every == 1000 and len(loader) == 6
 
 
-@pytest.mark.parametrize("mode", ["train", "val"])
-def test_images_gathered_into_the_slot_equal_stock(yolo_root, mode):
+@pytest.mark.parametrize(("mode", "channels"), [("train", 3), ("val", 3), ("train", 1)])
+def test_images_gathered_into_the_slot_equal_stock(yolo_root, mode, channels):
     """Format hands over its (mirrored) HWC view and channel order; SlotCollate gathers them
-    transposed into one tensor: the stock batch, byte for byte, with the same random draws."""
+    transposed into one tensor: the stock batch, byte for byte, with the same random draws
+    (grey images too, where Format still draws but never reverses)."""
     from fastfeed.ultralytics.collate import FormattedImage, SlotCollate, format_into_slot
 
     batches = []
     for prepared in (False, True):
-        data = dataset(yolo_root, mode=mode)[1]
+        cfg = get_cfg(DEFAULT_CFG, {"imgsz": 160})
+        info = {"names": NAMES, "nc": len(NAMES), "channels": channels}
+        data = build_yolo_dataset(cfg, str(yolo_root / "images"), 4, info, mode=mode)
         collate = data.collate_fn
         if prepared:
             format_into_slot(data)

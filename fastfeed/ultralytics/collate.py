@@ -64,10 +64,12 @@ def format_into_slot(dataset: Any) -> None:
 
     def formatted(img: np.ndarray) -> FormattedImage:
         hwc = img if img.ndim == 3 else img[..., None]
-        # The stock call on a 1×1 marker: the same random draw, and the order it chose.
-        marker = np.arange(hwc.shape[2], dtype=np.uint8).reshape(1, 1, -1)
-        reverse = hwc.shape[2] > 1 and int(format_img(marker)[0, 0, 0]) == hwc.shape[2] - 1
-        return FormattedImage(hwc, reverse)
+        # The stock call on a 1×1 marker: the same random draw (made for any channel count),
+        # and the order it chose.
+        channels = hwc.shape[2]
+        marker = np.arange(channels, dtype=np.uint8).reshape(1, 1, -1)
+        first = int(format_img(marker)[0, 0, 0])
+        return FormattedImage(hwc, channels > 1 and first == channels - 1)
 
     transform._format_img = formatted
 
