@@ -13,6 +13,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from fastfeed.progress import progress
 
@@ -34,11 +35,12 @@ def pipeline_parser(doc: str, configs: Sequence[str], batch_size: int) -> argpar
 
 
 def interleaved_rates(script: str | Path, configs: Sequence[str], repeats: int,
-                      child_args: Sequence[str], desc: str) -> dict[str, list[float]]:
+                      child_args: Sequence[str], desc: str) -> dict[str, list[Any]]:
     """Run ``script --one CONFIG *child_args`` ``repeats`` times per configuration; each child
-    prints a JSON list of rates on its last line. Returns every rate per configuration."""
+    prints a JSON list on its last line (rates, or one record per timed epoch). Returns every
+    entry per configuration."""
     jobs = [c for r in range(repeats) for c in (configs if r % 2 == 0 else configs[::-1])]
-    rates: dict[str, list[float]] = {c: [] for c in configs}
+    rates: dict[str, list[Any]] = {c: [] for c in configs}
     for config in progress(jobs, total=len(jobs), desc=desc):
         out = subprocess.run([sys.executable, str(script), "--one", config, *child_args],
                              capture_output=True, text=True, check=False)

@@ -5,14 +5,14 @@
 process per configuration and repeat, configurations alternating order. Callbacks time each
 epoch and the wait for every batch: from one ``on_train_batch_end`` to the next
 ``on_train_batch_start``, which is the trainer's ``for batch in loader`` (Ultralytics reads its
-loss values every step, so the GPU has finished the step by then). The first epoch warms up;
-the table gives, per configuration, the medians over the later epochs of images/s and of the
-stall (waited / epoch time).
+loss values every step, so the GPU has finished the step by then). A first epoch warms up,
+then ``--epochs`` are timed; the table gives, per configuration, the medians over every timed
+epoch of every run of images/s and of the stall (waited / epoch time).
 
 Configurations: ``stock``; ``patched`` (``fastfeed.ultralytics.patch()``); ``fast``
 (``fast_decode``); ``augment`` (``augment_device="cuda"``); ``fast-augment`` (both).
 
-    python benchmarks/yolo_train_stall.py --device 0 --json benchmarks/out/yolo-stall.json
+    python benchmarks/yolo_train_stall.py --device 0 --workers 8 --json benchmarks/out/yolo.json
 """
 
 from __future__ import annotations
@@ -21,14 +21,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fastfeed.progress import progress
+from benchmarks.interleaved import interleaved_rates, pipeline_parser
 
 PATCHES: dict[str, dict | None] = {
     "stock": None, "patched": {}, "fast": {"fast_decode": True},
@@ -37,8 +36,8 @@ PATCHES: dict[str, dict | None] = {
 }
 
 
-def train_once(config: str, data_yaml: Path, args: argparse.Namespace, project: Path) -> dict:
-    """Images/s and stall of each epoch after the first, in this process."""
+def train_once(config: str, data_yaml: Path, args: argparse.Namespace) -> list[dict]:
+    """Images/s and stall of each timed epoch (after the first), in this process."""
     os.environ["YOLO_OFFLINE"] = "1"
     from ultralytics import YOLO
 
@@ -73,34 +72,25 @@ def train_once(config: str, data_yaml: Path, args: argparse.Namespace, project: 
                             ("on_train_batch_end", batch_end),
                             ("on_train_epoch_end", epoch_end)]:
         model.add_callback(event, callback)
-    model.train(data=str(data_yaml), epochs=args.epochs, imgsz=args.imgsz, batch=args.batch,
-                workers=args.workers, device=args.device, close_mosaic=0, val=False,
-                plots=False, amp=args.device != "cpu", project=str(project), name=config,
-                exist_ok=True, verbose=False)
-    timed = epochs[1:] or epochs
-    return {key: statistics.median(e[key] for e in timed) for key in ("images_per_s", "stall")}
+    model.train(data=str(data_yaml), epochs=args.epochs + 1, imgsz=args.imgsz,
+                batch=args.batch_size, workers=args.workers, device=args.device, close_mosaic=0,
+                val=False, plots=False, amp=args.device != "cpu", project=str(args.project),
+                name=config, exist_ok=True, verbose=False)
+    return epochs[1:]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--configs", default="stock,patched,fast,augment,fast-augment")
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--epochs", type=int, default=3, help="the first one warms up")
+    parser = pipeline_parser(__doc__, list(PATCHES), batch_size=16)
     parser.add_argument("--imgsz", type=int, default=640)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--device", default="0")
     parser.add_argument("--images", type=int, default=400)
     parser.add_argument("--widths", default="1280,1920")
-    parser.add_argument("--json", type=Path, default=None)
-    parser.add_argument("--one", help=argparse.SUPPRESS)
     parser.add_argument("--data-yaml", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--project", type=Path, default=Path("/tmp/fastfeed-yolo-stall"))
     args = parser.parse_args()
 
     if args.one:
-        print(json.dumps(train_once(args.one, args.data_yaml, args, args.project)))
+        print(json.dumps(train_once(args.one, args.data_yaml, args)))
         return
 
     from benchmarks.ultralytics_pipeline import make_photo_yolo
@@ -113,25 +103,18 @@ def main() -> None:
     data_yaml = root / "data.yaml"
     data_yaml.write_text(f"path: {root}\ntrain: images\nval: images\nnames:\n"
                          + "".join(f"  {i}: c{i}\n" for i in range(8)))
-    configs = args.configs.split(",")
-    jobs = [c for r in range(args.repeats) for c in (configs if r % 2 == 0 else configs[::-1])]
-    results: dict[str, list[dict]] = {c: [] for c in configs}
-    child = [sys.executable, __file__, "--data-yaml", str(data_yaml), "--epochs",
-             str(args.epochs), "--imgsz", str(args.imgsz), "--batch", str(args.batch),
-             "--workers", str(args.workers), "--device", args.device, "--project",
-             str(args.project)]
-    for config in progress(jobs, total=len(jobs), desc="yolo training"):
-        out = subprocess.run([*child, "--one", config], capture_output=True, text=True,
-                             check=False)
-        if out.returncode:
-            sys.exit(f"{config} failed:\n{out.stderr[-4000:]}")
-        results[config].append(json.loads(out.stdout.strip().splitlines()[-1]))
-    print(f"\nyolov8n training, {root.name}, imgsz {args.imgsz}, batch {args.batch}, "
+    results = interleaved_rates(
+        __file__, args.configs.split(","), args.repeats,
+        ["--data-yaml", str(data_yaml), "--epochs", str(args.epochs), "--imgsz", str(args.imgsz),
+         "--batch-size", str(args.batch_size), "--workers", str(args.workers), "--device",
+         args.device, "--project", str(args.project)],
+        desc="yolo training")
+    print(f"\nyolov8n training, {root.name}, imgsz {args.imgsz}, batch {args.batch_size}, "
           f"{args.workers} workers, device {args.device}: medians of {args.repeats} runs × "
-          f"{max(args.epochs - 1, 1)} timed epochs\n")
+          f"{args.epochs} timed epochs\n")
     print("| loader | images/s | vs stock | data stall |\n|---|---|---|---|")
-    medians = {c: {k: statistics.median(r[k] for r in runs) for k in ("images_per_s", "stall")}
-               for c, runs in results.items()}
+    medians = {c: {k: statistics.median(e[k] for e in epochs) for k in ("images_per_s", "stall")}
+               for c, epochs in results.items()}
     base = medians.get("stock", {}).get("images_per_s")
     for config, m in medians.items():
         ratio = f"{m['images_per_s'] / base:.2f}×" if base else "n/a"

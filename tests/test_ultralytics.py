@@ -497,8 +497,8 @@ def test_pixel_ops_benchmark_runs(tmp_path):
 def test_training_stall_benchmark_runs(tmp_path):
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "yolo_train_stall.py"
     out = subprocess.run([sys.executable, str(script), "--images", "8", "--widths", "320,400",
-                          "--imgsz", "64", "--batch", "4", "--workers", "2", "--device", "cpu",
-                          "--epochs", "2", "--repeats", "1", "--configs", "stock,patched",
+                          "--imgsz", "64", "--batch-size", "4", "--workers", "2", "--device",
+                          "cpu", "--epochs", "1", "--repeats", "1", "--configs", "stock,patched",
                           "--project", str(tmp_path)], capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -50,9 +50,10 @@ def patch(fast_decode: bool = False, augment_device: str | None = None,
         augment_device (str, optional): run the training loader's random perspective warp,
             HSV jitter and flips on this device (``"cuda"``), as batch ops on the copy stream;
             workers still draw every random number with Ultralytics' code, so labels are the
-            stock ones and pixels differ from OpenCV's by rounding (at most a grey level or
-            two). The loader then delivers batches on that device. ``"cpu"`` runs the same
-            ops in the main process: a reference, slower than the workers. Pipelines with
+            stock ones and pixels differ from OpenCV's by rounding (in under 0.1 % of values,
+            by a few grey levels at most). The loader then delivers batches on that device.
+            ``"cpu"`` runs the same ops in the main process: a reference, slower than the
+            workers. Pipelines with
             other pixel work after the warp (mixup, cutmix, perspective, Albumentations) stay
             on the CPU, with a warning. See :mod:`fastfeed.ultralytics.gpu_augment`.
             Default: ``None``.
@@ -63,6 +64,8 @@ def patch(fast_decode: bool = False, augment_device: str | None = None,
     Raises:
         ImportError: Ultralytics is not installed.
         TypeError: an option is not a FastLoader-only keyword.
+        ValueError: ``augment_device`` with thread workers, or with ``device`` or
+            ``gpu_transform`` among the options (it sets both).
 
     .. note:: Ultralytics runs multi-GPU training in a subprocess that imports a script it
        writes itself; the patch does not reach it. Single-GPU and CPU training are patched.
