@@ -271,6 +271,13 @@ class WorkerSlots:
             self._buffers.pop(message[1], None)
 
 
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    numel = 1
+    for size in shape:
+        numel *= size
+    return numel * dtype.itemsize
+
+
 class Arena:
     """A bump allocator over one slot, for the tensors of one batch.
 
@@ -300,10 +307,7 @@ class Arena:
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         """A contiguous tensor in the slot, or None if the slot has no room."""
-        numel = 1
-        for size in shape:
-            numel *= size
-        nbytes = numel * dtype.itemsize
+        nbytes = _nbytes(shape, dtype)
         offset = self.allocate(nbytes)
         if offset is None:
             return None
@@ -313,7 +317,11 @@ class Arena:
     def empty_or_new(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A tensor in the slot if it has room, else an ordinary one."""
         tensor = self.empty(shape, dtype)
-        return torch.empty(shape, dtype=dtype) if tensor is None else tensor
+        if tensor is not None:
+            return tensor
+        # Not counted twice: the codec counts this tensor when it finds no room to copy it.
+        self.overflow -= _round_up(_nbytes(shape, dtype), ALIGN)
+        return torch.empty(shape, dtype=dtype)
 
     def owns(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` lives in this arena's slot."""
