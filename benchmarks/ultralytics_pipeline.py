@@ -120,7 +120,7 @@ def images_per_s(config: str, root: Path, imgsz: int, workers: int, batch_size: 
     for epoch in range(epochs + 1):
         start, images = time.perf_counter(), 0
         for batch in loader:
-            images += len(batch["img"])
+            images += len(batch["im_file"])  # the feed configs leave "img" packed
         if torch.cuda.is_available():
             torch.cuda.synchronize()  # batches made on the GPU count when they are done
         if epoch:
@@ -208,30 +208,45 @@ def profile_samples(root: Path, imgsz: int, samples: int = 200) -> str:
 
 def device_ops_ms(device: str, imgsz: int, batch_size: int, repeats: int = 20) -> str:
     """Milliseconds per batch of the pixel ops ``augment_device`` runs (warp, HSV, channel order
-    and layout) on ``device``, on mosaic canvases (2·imgsz square), with the canvas's
-    host-to-device copy from page-locked memory on CUDA."""
+    and layout) on ``device``, on the parts of mosaic canvases (2·imgsz square) that the warps
+    read, with their host-to-device copy from page-locked memory on CUDA."""
     import torch
 
-    from fastfeed.ultralytics.gpu_augment import LUT_KEY, PARAMS_KEY, SIZE_KEY, PixelOps
+    from fastfeed.ultralytics.gpu_augment import (
+        LUT_KEY,
+        PARAMS_KEY,
+        REGION_KEY,
+        SIZE_KEY,
+        PixelOps,
+    )
+    from fastfeed.ultralytics.pixel_ops import source_region
 
     g = torch.Generator().manual_seed(0)
-    canvas = torch.randint(0, 256, (batch_size, 2 * imgsz, 2 * imgsz, 3), dtype=torch.uint8,
-                           generator=g)
+    canvas = torch.randint(0, 256, (2 * imgsz, 2 * imgsz, 3), dtype=torch.uint8, generator=g)
     angle, scale = (torch.rand(batch_size, generator=g) - 0.5) * 0.2, 0.5 + torch.rand(batch_size)
     params = torch.zeros(batch_size, 8, dtype=torch.float64)
     params[:, 0], params[:, 1] = scale * angle.cos(), -scale * angle.sin()
     params[:, 3], params[:, 4] = scale * angle.sin(), scale * angle.cos()
-    params[:, 2] = params[:, 5] = -imgsz / 2 * scale + imgsz / 2
+    params[:, 2] = params[:, 5] = -imgsz * scale + imgsz / 2  # the canvas centre to the output's
     params[:, 6:8] = 1  # HSV on, channels reversed
     luts = torch.randint(0, 256, (batch_size, 3, 256), dtype=torch.uint8, generator=g)
     luts[:, 0] %= 180
+    parts, regions, first = [], [], 0
+    for matrix in params[:, :6].view(-1, 2, 3).numpy():
+        left, top, right, bottom = source_region(np.vstack([matrix, [0, 0, 1]]), (imgsz, imgsz),
+                                                 2 * imgsz, 2 * imgsz)
+        parts.append(canvas[top:bottom, left:right].reshape(-1, 3))
+        regions.append([first, bottom - top, right - left, left, top])
+        first += len(parts[-1])
+    packed, region_tensor = torch.cat(parts), torch.tensor(regions)
     ops = PixelOps(truncate_hsv=True)  # no OpenCV needed to time the ops
     cuda = device.startswith("cuda")
-    host = canvas.pin_memory() if cuda else canvas
+    host = packed.pin_memory() if cuda else packed
 
     def once() -> None:
         batch = {"img": host.to(device, non_blocking=True), PARAMS_KEY: params.to(device),
-                 LUT_KEY: luts.to(device), SIZE_KEY: (imgsz, imgsz)}
+                 LUT_KEY: luts.to(device), REGION_KEY: region_tensor.to(device),
+                 SIZE_KEY: (imgsz, imgsz)}
         ops(batch)
 
     once()
@@ -253,10 +268,11 @@ def device_ops_ms(device: str, imgsz: int, batch_size: int, repeats: int = 20) -
             torch.cuda.synchronize()
             copy.append((time.perf_counter() - start) * 1e3)
     name = torch.cuda.get_device_name() if cuda else "cpu (torch ops, one process)"
-    line = (f"pixel ops on {name}: batch {batch_size} of {2 * imgsz}² canvases -> {imgsz}²: "
+    line = (f"pixel ops on {name}: batch {batch_size} of {2 * imgsz}² canvases -> {imgsz}² "
+            f"({packed.numel() / canvas.numel() / batch_size:.0%} of each canvas read): "
             f"{np.median(times):.2f} ms per batch (median of {repeats})")
     if copy:
-        line += f", of which the canvas H2D {np.median(copy):.2f} ms"
+        line += f", of which the H2D copy {np.median(copy):.2f} ms"
     return line
 
 

@@ -31,7 +31,8 @@ SECTIONS = [
                               ultralytics.InfiniteFastLoader]),
     ("fastfeed.ultralytics.gpu_augment", [gpu_augment.PixelOps, gpu_augment.unsupported_reason,
                                           gpu_augment.defer_pixel_ops]),
-    ("fastfeed.ultralytics.pixel_ops", [pixel_ops.warp_affine, pixel_ops.hsv_lookup,
+    ("fastfeed.ultralytics.pixel_ops", [pixel_ops.warp_affine, pixel_ops.warp_regions,
+                                        pixel_ops.source_region, pixel_ops.hsv_lookup,
                                         pixel_ops.bgr_to_hsv, pixel_ops.hsv_to_bgr]),
 ]
 METHODS = {fastfeed.FastLoader: ["state_dict", "load_state_dict", "stats"],

@@ -2,10 +2,18 @@
 against the CPU. (Their comparison with OpenCV runs in the client environment:
 ``test_ultralytics.py``.)"""
 
+import numpy as np
 import pytest
 import torch
 
-from fastfeed.ultralytics.pixel_ops import bgr_to_hsv, hsv_lookup, hsv_to_bgr, warp_affine
+from fastfeed.ultralytics.pixel_ops import (
+    bgr_to_hsv,
+    hsv_lookup,
+    hsv_to_bgr,
+    source_region,
+    warp_affine,
+    warp_regions,
+)
 
 
 def random_images(batch=3, height=48, width=64, seed=0):
@@ -34,6 +42,57 @@ def test_warp_rejects_bad_input():
         warp_affine(torch.zeros(1, 4, 4, 3), torch.zeros(1, 2, 3), (4, 4))
     with pytest.raises(ValueError, match="1×2×3"):
         warp_affine(torch.zeros(1, 4, 4, 3, dtype=torch.uint8), torch.zeros(2, 3), (4, 4))
+
+
+def random_matrices(batch, canvas, size, seed=0):
+    """Forward maps like Ultralytics' random perspective: rotation, scale 0.3–1.7 and shear
+    about the canvas centre, a translation that may push the output off the canvas; some
+    mirrored as RandomFlip folds them."""
+    rng = np.random.default_rng(seed)
+    matrices = []
+    for i in range(batch):
+        angle, scale = rng.uniform(-np.pi, np.pi), rng.uniform(0.3, 1.7)
+        shear = np.eye(3)
+        shear[0, 1], shear[1, 0] = np.tan(rng.uniform(-0.2, 0.2, 2))
+        rotate = np.array([[scale * np.cos(angle), -scale * np.sin(angle), 0],
+                           [scale * np.sin(angle), scale * np.cos(angle), 0], [0, 0, 1]])
+        centre, move = np.eye(3), np.eye(3)
+        centre[:2, 2] = -canvas / 2
+        move[:2, 2] = rng.uniform(-0.5, 1.5, 2) * size
+        m = move @ shear @ rotate @ centre
+        if i % 2:
+            m = np.array([[-1, 0, size - 1], [0, 1, 0], [0, 0, 1]]) @ m
+        matrices.append(m)
+    return np.stack(matrices)
+
+
+def pack(images, matrices, size):
+    """Each image's source_region, packed as warp_regions takes them."""
+    crops, regions, first = [], [], 0
+    for image, matrix in zip(images, matrices, strict=True):
+        left, top, right, bottom = source_region(matrix, size, *image.shape[:2])
+        crops.append(image[top:bottom, left:right].reshape(-1, 3))
+        regions.append([first, bottom - top, right - left, left, top])
+        first += (bottom - top) * (right - left)
+    return torch.cat(crops), torch.tensor(regions)
+
+
+def test_regions_warp_exactly_as_whole_sources():
+    images = random_images(12, 160, 200, seed=3)
+    matrices = random_matrices(12, 180, 96)
+    pixels, regions = pack(images, matrices, (96, 96))
+    assert len(pixels) < images[:, :, :, 0].numel()  # most outputs read part of their source
+    expected = warp_affine(images, torch.from_numpy(matrices[:, :2]), (96, 96))
+    got = warp_regions(pixels, regions, torch.from_numpy(matrices[:, :2]), (96, 96))
+    assert torch.equal(got, expected)
+
+
+def test_source_region_is_clipped_and_never_empty():
+    off_canvas = np.array([[1.0, 0, -500], [0, 1, -500], [0, 0, 1]])
+    assert source_region(off_canvas, (32, 32), 100, 100) == (99, 99, 100, 100)
+    assert source_region(np.eye(3), (300, 300), 100, 100) == (0, 0, 100, 100)
+    singular = np.array([[0.0, 0, 0], [0, 0, 0], [0, 0, 1]])
+    assert source_region(singular, (32, 32), 100, 100) == (0, 0, 100, 100)
 
 
 def test_hsv_of_primaries():
@@ -81,13 +140,14 @@ def test_device_matches_cpu():
 def test_pixel_ops_never_wait_for_the_device():
     """PixelOps runs on the loader's copy stream from the training thread: it must only
     enqueue work, never read a device value back."""
-    from fastfeed.ultralytics.gpu_augment import LUT_KEY, PARAMS_KEY, SIZE_KEY, PixelOps
+    from fastfeed.ultralytics.gpu_augment import LUT_KEY, PARAMS_KEY, REGION_KEY, SIZE_KEY, PixelOps
 
     ops = PixelOps(truncate_hsv=True)
-    params = torch.zeros(2, 8, dtype=torch.float64)
-    params[:, 0] = params[:, 4] = 0.5
-    params[:, 6:8] = 1
-    batch = {"img": random_images(2, 128, 128).cuda(), PARAMS_KEY: params.cuda(),
+    matrices = random_matrices(2, 128, 64)
+    pixels, regions = pack(random_images(2, 128, 128), matrices, (64, 64))
+    params = torch.ones(2, 8, dtype=torch.float64)
+    params[:, :6] = torch.from_numpy(matrices[:, :2].reshape(2, 6))
+    batch = {"img": pixels.cuda(), PARAMS_KEY: params.cuda(), REGION_KEY: regions.cuda(),
              LUT_KEY: torch.arange(256, dtype=torch.uint8).expand(2, 3, 256).contiguous().cuda(),
              SIZE_KEY: (64, 64)}
     ops(dict(batch))  # the first call makes the per-device tables

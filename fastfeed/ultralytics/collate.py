@@ -112,6 +112,10 @@ class SlotCollate:
         """Collate ``samples``, taking ``batch["img"]`` from ``empty(shape, dtype)``."""
         images = [sample["img"] for sample in samples]
         batch = self.collate_fn([{k: v for k, v in s.items() if k != "img"} for s in samples])
+        return dict(sorted({**batch, "img": self.gather(images, empty)}.items()))  # as Ultralytics
+
+    def gather(self, images: list, empty: Empty) -> torch.Tensor:
+        """The batch's images as one tensor from ``empty``."""
         shapes = {tuple(image.hwc.shape if isinstance(image, FormattedImage) else image.shape)
                   for image in images}
         if len(shapes) != 1:
@@ -123,4 +127,4 @@ class SlotCollate:
         else:
             stacked = empty((len(images), *shapes.pop()), images[0].dtype)
             stack_into(stacked, images)
-        return dict(sorted({**batch, "img": stacked}.items()))  # Ultralytics sorts its keys
+        return stacked

@@ -6,10 +6,11 @@ those three record what they would do instead of doing it: ``RandomPerspective``
 ``RandomHSV`` its lookup table, each ``RandomFlip`` a mirror folded into the matrix, and
 ``Format`` whether it reverses the channels. Every random number is drawn by Ultralytics' own
 code, in its order, so labels and boxes are exactly the stock ones. The sample carries the
-unwarped canvas (padded with the border value to one size per dataset) and those parameters;
-:class:`PixelOps`, FastLoader's ``gpu_transform``, then applies them to the whole batch on the
-device (:mod:`fastfeed.ultralytics.pixel_ops`), and the trainer receives the ``img`` it would
-have received, already on the GPU.
+part of the unwarped canvas that the warp reads (about 40 % of a mosaic canvas, on average)
+and those parameters; :class:`CanvasCollate` packs the parts into the ring slot, and
+:class:`PixelOps`, FastLoader's ``gpu_transform``, applies the parameters to the whole batch on
+the device (:mod:`fastfeed.ultralytics.pixel_ops`), so that the trainer receives the ``img`` it
+would have received, already on the GPU.
 
 Only pipelines whose pixel work after the warp is exactly HSV, flips and ``Format`` qualify
 (Ultralytics' defaults: no mixup, cutmix, copy-paste after the warp, perspective or
@@ -25,7 +26,7 @@ import numpy as np
 import torch
 
 from fastfeed.ultralytics.collate import Empty, SlotCollate, flatten
-from fastfeed.ultralytics.pixel_ops import hsv_lookup, warp_affine
+from fastfeed.ultralytics.pixel_ops import hsv_lookup, source_region, warp_regions
 
 __all__ = [
     "CanvasCollate", "PixelOps", "defer_pixel_ops", "opencv_hsv_truncates", "unsupported_reason",
@@ -35,6 +36,9 @@ BORDER = 114  # Ultralytics' fill value for mosaic canvases and warps
 # Per sample: the 2×3 matrix, then the apply-HSV and reverse-channels flags.
 PARAMS_KEY = "fastfeed_pixel_params"
 LUT_KEY = "fastfeed_hsv_lut"
+# Per sample: where its part of the canvas lies (height, width, left, top); per batch, with
+# each part's first row in the packed pixels before them (see pixel_ops.warp_regions).
+REGION_KEY = "fastfeed_canvas_region"
 # The output (width, height): plain Python, so that reading it never waits for the device.
 SIZE_KEY = "fastfeed_output_size"
 
@@ -101,11 +105,8 @@ class _Recorder:
     def __init__(self, dataset: Any) -> None:
         from ultralytics.data import augment as A
 
-        transforms = list(flatten(dataset.transforms))
-        mosaic = any(isinstance(t, A.Mosaic) and t.p > 0 for t in transforms)
-        self.canvas_size = dataset.imgsz * (2 if mosaic else 1)
         self.reset()
-        for t in transforms:
+        for t in flatten(dataset.transforms):
             if isinstance(t, A.RandomPerspective):
                 t.apply_image = self._warp
             elif isinstance(t, A.RandomHSV):
@@ -164,19 +165,12 @@ class _Recorder:
         if canvas is None:
             raise RuntimeError("fastfeed: RandomPerspective did not run for this sample")
         height, width = canvas.shape[:2]
-        size = self.canvas_size
-        if height > size or width > size:
-            raise RuntimeError(f"fastfeed: a {width}×{height} canvas exceeds the {size}×{size} "
-                               "one the batch is padded to")
-        if (height, width) == (size, size):  # a mosaic: already the batch's canvas size
-            padded = np.ascontiguousarray(canvas)
-        else:
-            padded = np.full((size, size, 3), BORDER, np.uint8)
-            padded[:height, :width] = canvas  # the border value beyond it: the same warp
-        labels["img"] = torch.from_numpy(padded)
+        left, top, right, bottom = source_region(self.matrix, self.size, height, width)
+        labels["img"] = torch.from_numpy(canvas[top:bottom, left:right])  # a view: no copy
         params = np.concatenate([self.matrix[:2].ravel(), [self.apply_hsv, self.reverse]])
         labels[PARAMS_KEY] = torch.from_numpy(params)
         labels[LUT_KEY] = torch.from_numpy(self.lut)
+        labels[REGION_KEY] = torch.tensor([bottom - top, right - left, left, top])
         labels[SIZE_KEY] = tuple(int(v) for v in self.size)
         self.reset()
         return labels
@@ -195,26 +189,38 @@ def defer_pixel_ops(dataset: Any) -> None:
 
 
 class CanvasCollate(SlotCollate):
-    """:class:`SlotCollate` for recorded samples: the canvases are gathered into the slot as
-    ``B×S×S×3`` (four times the bytes of the images they become, so the copy saved counts), and
-    the per-sample parameters are stacked into two small tensors and one output size."""
+    """:class:`SlotCollate` for recorded samples: each sample's part of its canvas is packed
+    into the slot, one after another (``N×3``), and the per-sample parameters are stacked into
+    small tensors and one output size."""
 
     def collate_into(self, samples: list[dict], empty: Empty) -> dict:
         batch = super().collate_into(samples, empty)
-        for key in (PARAMS_KEY, LUT_KEY):
+        for key in (PARAMS_KEY, LUT_KEY, REGION_KEY):
             batch[key] = torch.stack(list(batch[key]))
+        areas = batch[REGION_KEY][:, 0] * batch[REGION_KEY][:, 1]
+        firsts = torch.cumsum(areas, 0) - areas
+        batch[REGION_KEY] = torch.cat([firsts.view(-1, 1), batch[REGION_KEY]], 1)
         sizes = set(batch[SIZE_KEY])
         if len(sizes) != 1:
             raise ValueError(f"fastfeed: one batch asks for several output sizes: {sorted(sizes)}")
         batch[SIZE_KEY] = sizes.pop()
         return batch
 
+    def gather(self, images: list, empty: Empty) -> torch.Tensor:
+        packed = empty((sum(len(i) * i.shape[1] for i in images), 3), torch.uint8)
+        first = 0
+        for image in images:
+            area = len(image) * image.shape[1]
+            packed[first:first + area].view(image.shape).copy_(image)
+            first += area
+        return packed
+
 
 class PixelOps:
     """FastLoader's ``gpu_transform``: apply the recorded warp, HSV, flips and channel order.
 
-    Turns ``batch["img"]``, the ``B×S×S×3`` uint8 canvases, into the ``B×3×H×W`` uint8 images
-    Ultralytics' ``Format`` would have produced, on the batch's device. A batch without
+    Turns ``batch["img"]``, the packed parts of the canvases, into the ``B×3×H×W`` uint8
+    images Ultralytics' ``Format`` would have produced, on the batch's device. A batch without
     recorded parameters passes through.
 
     Args:
@@ -229,9 +235,9 @@ class PixelOps:
         if PARAMS_KEY not in batch:
             return batch
         params, luts = batch.pop(PARAMS_KEY), batch.pop(LUT_KEY)
-        size = batch.pop(SIZE_KEY)
+        regions, size = batch.pop(REGION_KEY), batch.pop(SIZE_KEY)
         # Nothing here reads device values back: the host only enqueues work on the stream.
-        images = warp_affine(batch["img"], params[:, :6].view(-1, 2, 3), size, BORDER)
+        images = warp_regions(batch["img"], regions, params[:, :6].view(-1, 2, 3), size, BORDER)
         images = hsv_lookup(images, luts, params[:, 6] > 0, self.truncate_hsv)
         chw = images.permute(0, 3, 1, 2)
         reverse = (params[:, 7] > 0).to(images.device).view(-1, 1, 1, 1)

@@ -17,11 +17,14 @@ from __future__ import annotations
 
 from functools import cache
 
+import numpy as np
 import torch
 
-__all__ = ["bgr_to_hsv", "hsv_lookup", "hsv_to_bgr", "warp_affine"]
+__all__ = ["bgr_to_hsv", "hsv_lookup", "hsv_to_bgr", "source_region", "warp_affine",
+           "warp_regions"]
 
 _HSV_SHIFT = 12  # OpenCV's hsv_shift
+_MARGIN = 2  # pixels around a region's bilinear neighbours (see source_region)
 
 
 def _invert_affine(matrices: torch.Tensor) -> torch.Tensor:
@@ -35,6 +38,31 @@ def _invert_affine(matrices: torch.Tensor) -> torch.Tensor:
     first = torch.stack([ia, ib, -ia * c - ib * f], -1)
     second = torch.stack([id_, ie, -id_ * c - ie * f], -1)
     return torch.stack([first, second], 1)
+
+
+def source_region(matrix: np.ndarray, size: tuple[int, int], height: int, width: int
+                  ) -> tuple[int, int, int, int]:
+    """The part of a ``height``×``width`` source that a warp by ``matrix`` to ``size`` reads.
+
+    Args:
+        matrix: the 3×3 forward affine map (source → output pixel coordinates).
+        size: output ``(width, height)``.
+
+    Returns:
+        ``(left, top, right, bottom)``, clipped to the source and at least one pixel, with a
+        margin of two pixels around the bilinear neighbours of the output's corners, which
+        covers the float32 rounding of the source coordinates :func:`warp_regions` computes.
+    """
+    if not np.linalg.det(matrix[:2, :2]):
+        return 0, 0, width, height
+    out_w, out_h = size
+    corners = np.array([[0, out_w - 1, 0, out_w - 1], [0, 0, out_h - 1, out_h - 1], [1, 1, 1, 1]])
+    xs, ys = (np.linalg.inv(matrix) @ corners)[:2]
+    left = int(np.clip(np.floor(xs.min()) - _MARGIN, 0, width - 1))
+    top = int(np.clip(np.floor(ys.min()) - _MARGIN, 0, height - 1))
+    right = int(np.clip(np.floor(xs.max()) + 2 + _MARGIN, left + 1, width))
+    bottom = int(np.clip(np.floor(ys.max()) + 2 + _MARGIN, top + 1, height))
+    return left, top, right, bottom
 
 
 def warp_affine(
@@ -53,34 +81,67 @@ def warp_affine(
     """
     if images.dtype != torch.uint8 or images.dim() != 4:
         raise ValueError(f"images must be B×H×W×C uint8, got {tuple(images.shape)} {images.dtype}")
-    if matrices.shape != (images.shape[0], 2, 3):
-        raise ValueError(f"matrices must be {images.shape[0]}×2×3, got {tuple(matrices.shape)}")
     batch, height, width, channels = images.shape
+    zeros = torch.zeros(batch, dtype=torch.int64, device=images.device)
+    first = torch.arange(batch, device=images.device) * (height * width)
+    whole = torch.stack([first, zeros + height, zeros + width, zeros, zeros], 1)
+    return warp_regions(images.reshape(-1, channels), whole, matrices, size, border)
+
+
+def warp_regions(
+    pixels: torch.Tensor, regions: torch.Tensor, matrices: torch.Tensor, size: tuple[int, int],
+    border: int = 114,
+) -> torch.Tensor:
+    """:func:`warp_affine` of sources of which only a region each is given, packed together.
+
+    The result is the warp of the whole sources wherever the regions hold every pixel the warp
+    reads (:func:`source_region`): the source coordinates are computed as for the whole source,
+    then shifted by the region's integer offset, which is exact in float32.
+
+    Args:
+        pixels: ``N×C`` uint8: each region's rows, one region after another.
+        regions: ``B×5`` int64: each region's first row of ``pixels``, its height and width,
+            and the source coordinates ``(left, top)`` of its top-left pixel.
+        matrices: ``B×2×3`` forward affine maps of the whole sources.
+        size: output ``(width, height)``.
+        border: the value of every pixel outside the source.
+
+    Returns:
+        ``B×height×width×C`` uint8.
+    """
+    if pixels.dtype != torch.uint8 or pixels.dim() != 2:
+        raise ValueError(f"pixels must be N×C uint8, got {tuple(pixels.shape)} {pixels.dtype}")
+    batch = regions.shape[0]
+    if regions.shape != (batch, 5):
+        raise ValueError(f"regions must be B×5, got {tuple(regions.shape)}")
+    if matrices.shape != (batch, 2, 3):
+        raise ValueError(f"matrices must be {batch}×2×3, got {tuple(matrices.shape)}")
+    channels = pixels.shape[1]
     out_w, out_h = size
-    device = images.device
+    device = pixels.device
     inverse = _invert_affine(matrices).to(device=device, dtype=torch.float32)
+    first, height, width, left, top = regions.to(device).view(batch, 5, 1, 1).unbind(1)
     xs = torch.arange(out_w, device=device, dtype=torch.float32).view(1, 1, -1)
     ys = torch.arange(out_h, device=device, dtype=torch.float32).view(1, -1, 1)
     coeff = inverse.view(batch, 2, 3, 1, 1)
-    # source coordinates of every output pixel, B×h×w
-    sx = coeff[:, 0, 0] * xs + coeff[:, 0, 1] * ys + coeff[:, 0, 2]
-    sy = coeff[:, 1, 0] * xs + coeff[:, 1, 1] * ys + coeff[:, 1, 2]
+    # source coordinates of every output pixel, B×h×w, then in the region
+    sx = coeff[:, 0, 0] * xs + coeff[:, 0, 1] * ys + coeff[:, 0, 2] - left.to(torch.float32)
+    sy = coeff[:, 1, 0] * xs + coeff[:, 1, 1] * ys + coeff[:, 1, 2] - top.to(torch.float32)
     x0, y0 = torch.floor(sx), torch.floor(sy)
     fx, fy = (sx - x0).unsqueeze(-1), (sy - y0).unsqueeze(-1)
     x0, y0 = x0.to(torch.int64), y0.to(torch.int64)
-    flat = images.reshape(batch * height * width, channels)
-    base = torch.arange(batch, device=device).view(batch, 1, 1) * (height * width)
 
     def neighbour(dy: int, dx: int) -> torch.Tensor:  # B×h×w×C float, border outside the source
         xi, yi = x0 + dx, y0 + dy
         inside = (xi >= 0) & (xi < width) & (yi >= 0) & (yi < height)
-        index = base + yi.clamp(0, height - 1) * width + xi.clamp(0, width - 1)
-        pixels = flat[index.view(-1)].view(batch, out_h, out_w, channels).to(torch.float32)
-        return torch.where(inside.unsqueeze(-1), pixels, float(border))
+        row = torch.minimum(yi.clamp(min=0), height - 1)
+        index = first + row * width + torch.minimum(xi.clamp(min=0), width - 1)
+        values = pixels[index.view(-1)].view(batch, out_h, out_w, channels).to(torch.float32)
+        return torch.where(inside.unsqueeze(-1), values, float(border))
 
-    top = neighbour(0, 0) * (1 - fx) + neighbour(0, 1) * fx
-    bottom = neighbour(1, 0) * (1 - fx) + neighbour(1, 1) * fx
-    return torch.round(top * (1 - fy) + bottom * fy).clamp(0, 255).to(torch.uint8)
+    top_row = neighbour(0, 0) * (1 - fx) + neighbour(0, 1) * fx
+    bottom_row = neighbour(1, 0) * (1 - fx) + neighbour(1, 1) * fx
+    return torch.round(top_row * (1 - fy) + bottom_row * fy).clamp(0, 255).to(torch.uint8)
 
 
 # The tables are made once per device: building a tensor from Python data on every batch would
