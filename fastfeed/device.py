@@ -23,11 +23,11 @@ import torch
 from fastfeed.telemetry import Telemetry, batch_length
 from fastfeed.tree import map_tensors
 
-__all__ = ["DeviceIterator", "resolve_device"]
+__all__ = ["DeviceIterator", "check_device", "resolve_device"]
 
 
-def resolve_device(device: str | int | torch.device) -> torch.device:
-    """Parse ``device``; a bare ``"cuda"`` means this process's GPU (LOCAL_RANK under torchrun).
+def check_device(device: str | int | torch.device) -> torch.device:
+    """Parse ``device`` and check that this machine has it, without initialising CUDA.
 
     Raises:
         ValueError: the string is not a device, or CUDA is requested but unavailable.
@@ -36,18 +36,28 @@ def resolve_device(device: str | int | torch.device) -> torch.device:
         resolved = torch.device(device)
     except (RuntimeError, TypeError) as error:
         raise ValueError(f"device={device!r} is not a valid torch device: {error}") from None
-    if resolved.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(
-                f"device={device!r} was requested but CUDA is not available "
-                "(torch.cuda.is_available() is False); use device='cpu' or None"
-            )
-        if resolved.index is None:
-            local_rank = os.environ.get("LOCAL_RANK")
-            index = int(local_rank) if local_rank is not None else torch.cuda.current_device()
-            resolved = torch.device("cuda", index)
-    elif resolved.type != "cpu":
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"device={device!r} was requested but CUDA is not available "
+            "(torch.cuda.is_available() is False); use device='cpu' or None"
+        )
+    if resolved.type not in ("cpu", "cuda"):
         raise ValueError(f"device={device!r}: fastfeed prefetches to 'cpu' or 'cuda' devices")
+    return resolved
+
+
+def resolve_device(device: str | int | torch.device) -> torch.device:
+    """:func:`check_device`; a bare ``"cuda"`` means this process's GPU (LOCAL_RANK under
+    torchrun).
+
+    Raises:
+        ValueError: the string is not a device, or CUDA is requested but unavailable.
+    """
+    resolved = check_device(device)
+    if resolved.type == "cuda" and resolved.index is None:
+        local_rank = os.environ.get("LOCAL_RANK")
+        index = int(local_rank) if local_rank is not None else torch.cuda.current_device()
+        resolved = torch.device("cuda", index)
     return resolved
 
 

@@ -479,11 +479,17 @@ def test_device_augmentation_leaves_other_pipelines_on_the_cpu(yolo_root):
     loader.close()
 
 
-def test_augment_device_needs_worker_processes():
+def test_augment_device_needs_worker_processes_and_a_device_of_this_machine():
     with pytest.raises(ValueError, match="worker processes"):
         fu.patch(augment_device="cuda", worker_mode="thread")
     with pytest.raises(ValueError, match="sets the loader's device"):
         fu.patch(augment_device="cuda", device="cuda")
+    with pytest.raises(ValueError, match="not a valid torch device"):
+        fu.patch(augment_device="gpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            fu.patch(augment_device="cuda")
+    assert not fu.is_patched()
 
 
 def test_pixel_ops_benchmark_runs(tmp_path):

@@ -24,6 +24,7 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
+from fastfeed.device import check_device
 from fastfeed.loader import FastLoader
 from fastfeed.ultralytics.loader import InfiniteFastLoader
 
@@ -64,8 +65,8 @@ def patch(fast_decode: bool = False, augment_device: str | None = None,
     Raises:
         ImportError: Ultralytics is not installed.
         TypeError: an option is not a FastLoader-only keyword.
-        ValueError: ``augment_device`` with thread workers, or with ``device`` or
-            ``gpu_transform`` among the options (it sets both).
+        ValueError: ``augment_device`` is not a device of this machine, or comes with thread
+            workers, or with ``device`` or ``gpu_transform`` among the options (it sets both).
 
     .. note:: Ultralytics runs multi-GPU training in a subprocess that imports a script it
        writes itself; the patch does not reach it. Single-GPU and CPU training are patched.
@@ -80,6 +81,7 @@ def patch(fast_decode: bool = False, augment_device: str | None = None,
                              "samples' parameters (worker_mode='process')")
         if "device" in fastloader_options or "gpu_transform" in fastloader_options:
             raise ValueError("augment_device sets the loader's device and gpu_transform")
+        check_device(augment_device)  # now, rather than when training builds its loaders
     from ultralytics.data import base, build
 
     from fastfeed.ultralytics.decode import reduced_load_image
