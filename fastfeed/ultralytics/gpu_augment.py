@@ -36,8 +36,8 @@ BORDER = 114  # Ultralytics' fill value for mosaic canvases and warps
 # Per sample: the 2×3 matrix, then the apply-HSV and reverse-channels flags.
 PARAMS_KEY = "fastfeed_pixel_params"
 LUT_KEY = "fastfeed_hsv_lut"
-# Per sample: where its part of the canvas lies (height, width, left, top); per batch, with
-# each part's first row in the packed pixels before them (see pixel_ops.warp_regions).
+# Per sample: its part of the canvas (height, width, left, top); per batch, each row led by
+# the index of the part's first pixel in the packed pixels (see pixel_ops.warp_regions).
 REGION_KEY = "fastfeed_canvas_region"
 # The output (width, height): plain Python, so that reading it never waits for the device.
 SIZE_KEY = "fastfeed_output_size"
@@ -207,6 +207,7 @@ class CanvasCollate(SlotCollate):
         return batch
 
     def gather(self, images: list, empty: Empty) -> torch.Tensor:
+        """The parts, ``H×W×3`` each, packed row by row into one ``N×3`` tensor."""
         packed = empty((sum(len(i) * i.shape[1] for i in images), 3), torch.uint8)
         first = 0
         for image in images:

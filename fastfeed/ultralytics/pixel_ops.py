@@ -99,9 +99,9 @@ def warp_regions(
     then shifted by the region's integer offset, which is exact in float32.
 
     Args:
-        pixels: ``N×C`` uint8: each region's rows, one region after another.
-        regions: ``B×5`` int64: each region's first row of ``pixels``, its height and width,
-            and the source coordinates ``(left, top)`` of its top-left pixel.
+        pixels: ``N×C`` uint8: the regions' pixels, row by row, one region after another.
+        regions: ``B×5`` int64: the index in ``pixels`` of each region's first pixel, its
+            height and width, and the source coordinates ``(left, top)`` of that pixel.
         matrices: ``B×2×3`` forward affine maps of the whole sources.
         size: output ``(width, height)``.
         border: the value of every pixel outside the source.
