@@ -31,6 +31,13 @@ if compgen -G ".whl/*.whl" >/dev/null; then
         >"$out/wheels.log" 2>&1 && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
 
+ultralytics_missing=""
+has_ultralytics() {  # else names the missing module: a dependency to carry in .whl/
+    ultralytics_missing=$(python3 -c "import ultralytics, cv2" 2>&1) && return 0
+    ultralytics_missing=$(tail -n 1 <<<"$ultralytics_missing")
+    return 1
+}
+
 status=0
 run() {  # run NAME CMD...: log to $out/NAME.log, keep going, remember failures
     local name=$1; shift
@@ -55,19 +62,19 @@ for stage in "${stages[@]}"; do
                     --json "$out/images.json" ;;
         yolo)
             run yolo_ops python3 benchmarks/ultralytics_pipeline.py --ops-device cuda
-            if python3 -c "import ultralytics, cv2" 2>/dev/null; then
+            if has_ultralytics; then
                 run yolo_pipeline python3 benchmarks/ultralytics_pipeline.py --workers 8 \
                     --configs stock,patched,patched-fast,patched-augment,patched-fast-augment \
                     --json "$out/yolo.json"
             else
-                echo "== yolo_pipeline: skipped (Ultralytics or OpenCV is not installed here)"
+                echo "== yolo_pipeline: skipped: $ultralytics_missing"
             fi ;;
         yolo_train)
-            if python3 -c "import ultralytics, cv2" 2>/dev/null; then
+            if has_ultralytics; then
                 run yolo_train python3 benchmarks/yolo_train_stall.py --device 0 --workers 8 \
                     --json "$out/yolo_train.json"
             else
-                echo "== yolo_train: skipped (Ultralytics or OpenCV is not installed here)"
+                echo "== yolo_train: skipped: $ultralytics_missing"
             fi ;;
         *) echo "unknown stage $stage (tests, overhead, train, images, yolo, yolo_train)"
            status=2 ;;

@@ -43,6 +43,13 @@ def train_once(config: str, data_yaml: Path, args: argparse.Namespace) -> list[d
 
     import fastfeed.ultralytics
 
+    try:
+        import polars  # noqa: F401
+    except ImportError:  # the GPU machine has none and cannot download it (a 54 MB wheel)
+        from ultralytics.engine.trainer import BaseTrainer
+
+        # Ultralytics imports polars in training only to copy results.csv into checkpoints.
+        BaseTrainer.read_results_csv = lambda self: {}  # type: ignore[method-assign]
     options = PATCHES[config]
     if options is not None:
         fastfeed.ultralytics.patch(**options)

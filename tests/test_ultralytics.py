@@ -501,11 +501,16 @@ def test_pixel_ops_benchmark_runs(tmp_path):
 
 
 def test_training_stall_benchmark_runs(tmp_path):
+    """As on the GPU machine, which has no polars (Ultralytics' training imports it)."""
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "yolo_train_stall.py"
+    (tmp_path / "polars").mkdir()
+    (tmp_path / "polars" / "__init__.py").write_text("raise ImportError('no polars here')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [
+        str(tmp_path), os.environ.get("PYTHONPATH")]))}
     out = subprocess.run([sys.executable, str(script), "--images", "8", "--widths", "320,400",
                           "--imgsz", "64", "--batch-size", "4", "--workers", "2", "--device",
                           "cpu", "--epochs", "1", "--repeats", "1", "--configs", "stock,patched",
-                          "--project", str(tmp_path)], capture_output=True, text=True,
-                         timeout=600)
+                          "--project", str(tmp_path / "runs")], capture_output=True, text=True,
+                         timeout=600, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "| patched |" in out.stdout and "data stall" in out.stdout
