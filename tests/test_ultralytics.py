@@ -5,6 +5,7 @@ Needs Ultralytics (the ``ultralytics`` extra; CI runs this file in its client en
 
 import contextlib
 import itertools
+import json
 import math
 import os
 import random
@@ -231,14 +232,19 @@ def mosaic_probability(data):
     return None
 
 
+def write_data_yaml(root, tmp_path):
+    data_yaml = tmp_path / "data.yaml"
+    data_yaml.write_text(f"path: {root}\ntrain: images\nval: images\nnames:\n"
+                         + "".join(f"  {i}: {n}\n" for i, n in NAMES.items()))
+    return data_yaml
+
+
 @pytest.mark.parametrize("options", [{}, {"augment_device": "cpu"}], ids=["patch", "augment"])
 def test_yolo_training_runs_on_fastloaders(yolo_root, tmp_path, options):
     """A real ``model.train()`` from the yaml: two epochs, the second after close_mosaic."""
     from ultralytics import YOLO
 
-    data_yaml = tmp_path / "data.yaml"
-    data_yaml.write_text(f"path: {yolo_root}\ntrain: images\nval: images\nnames:\n"
-                         + "".join(f"  {i}: {n}\n" for i, n in NAMES.items()))
+    data_yaml = write_data_yaml(yolo_root, tmp_path)
     before, before_fds = snapshot(), loader_fds()
     fu.patch(**options)
     seen = []
@@ -269,6 +275,41 @@ def test_yolo_training_runs_on_fastloaders(yolo_root, tmp_path, options):
     # check the loaders' own resources instead.
     assert wait_until(lambda: child_pids() <= before[0] and loader_fds() <= before_fds, 20), (
         child_pids() - before[0], loader_fds() - before_fds)
+
+
+def test_ddp_workers_patch_themselves(yolo_root, tmp_path):
+    """Multi-GPU training runs in processes that Ultralytics starts from a script it writes;
+    they rebuild the trainer from a pickle, and its callbacks patch them before any loader."""
+    pytest.importorskip("cloudpickle")  # Ultralytics' DDP launcher needs it
+    from ultralytics.data.base import BaseDataset
+    from ultralytics.models.yolo.detect import DetectionTrainer
+    from ultralytics.utils import dist
+
+    report = tmp_path / "loader.json"
+
+    def record(trainer):  # pickled by value with the trainer's callbacks
+        report.write_text(json.dumps([
+            isinstance(trainer.train_loader, fu.InfiniteFastLoader),
+            getattr(trainer.train_loader, "fastloader_options", None),
+            hasattr(BaseDataset.load_image, "__wrapped__")]))  # fast_decode
+
+    fu.patch(fast_decode=True, log_every=7)
+    trainer = DetectionTrainer(overrides={
+        "model": "yolov8n.yaml", "data": str(write_data_yaml(yolo_root, tmp_path)),
+        "epochs": 1, "imgsz": 64, "batch": 4, "device": "cpu", "amp": False, "plots": False,
+        "project": str(tmp_path), "name": "ddp", "verbose": False})
+    trainer.add_callback("on_train_start", record)
+    script = Path(dist.generate_ddp_file(trainer))
+    fu.unpatch()  # nothing is inherited: the script's process patches itself
+    try:
+        # Run as one of torchrun's workers would, without torchrun: one process, on the CPU.
+        out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                             timeout=600, cwd=tmp_path)
+    finally:
+        script.unlink()
+        script.with_suffix(".pt").unlink()
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(report.read_text()) == [True, {"log_every": 7}, True]
 
 
 def test_example_trains_with_the_one_line(tmp_path):

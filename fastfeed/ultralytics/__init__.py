@@ -14,12 +14,17 @@ puts :class:`InfiniteFastLoader` in that class's place, so the loaders are FastL
 exactly Ultralytics' arguments: its seeded generator, ``seed_worker``, ``prefetch_factor``,
 samplers under DDP, ``collate_fn`` and ``drop_last``. Batches equal the stock loader's.
 
+Multi-GPU training runs in processes that Ultralytics starts from a script it writes, which
+rebuild the trainer from a pickle: :func:`patch` gives that trainer a callback that patches each
+of those processes the same way before it builds its loaders.
+
 Ultralytics is optional: ``pip install fastfeed[ultralytics]``.
 """
 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 from torch.utils.data import DataLoader
@@ -68,8 +73,9 @@ def patch(fast_decode: bool = False, augment_device: str | None = None,
         ValueError: ``augment_device`` is not a device of this machine, or comes with thread
             workers, or with ``device`` or ``gpu_transform`` among the options (it sets both).
 
-    .. note:: Ultralytics runs multi-GPU training in a subprocess that imports a script it
-       writes itself; the patch does not reach it. Single-GPU and CPU training are patched.
+    .. note:: Multi-GPU (DDP) training is patched too: Ultralytics' workers rebuild the
+       trainer from a pickle, with a callback added here that calls :func:`patch` with these
+       arguments in each of them.
     """
     unknown = sorted(set(fastloader_options) - FASTLOADER_OPTIONS)
     if unknown:
@@ -83,11 +89,16 @@ def patch(fast_decode: bool = False, augment_device: str | None = None,
             raise ValueError("augment_device sets the loader's device and gpu_transform")
         check_device(augment_device)  # now, rather than when training builds its loaders
     from ultralytics.data import base, build
+    from ultralytics.utils import dist
 
     from fastfeed.ultralytics.decode import reduced_load_image
 
     _originals.setdefault("InfiniteDataLoader", build.InfiniteDataLoader)
     _originals.setdefault("load_image", base.BaseDataset.load_image)
+    _originals.setdefault("generate_ddp_file", dist.generate_ddp_file)
+    dist.generate_ddp_file = _patching_ddp_workers(
+        _originals["generate_ddp_file"],
+        {"fast_decode": fast_decode, "augment_device": augment_device, **fastloader_options})
     build.InfiniteDataLoader = type(InfiniteFastLoader.__name__, (InfiniteFastLoader,),
                                     {"fastloader_options": dict(fastloader_options),
                                      "augment_device": augment_device,
@@ -101,11 +112,38 @@ def unpatch() -> None:
     if not _originals:
         return
     from ultralytics.data import base, build
+    from ultralytics.utils import dist
 
     build.InfiniteDataLoader = _originals.pop("InfiniteDataLoader")
     base.BaseDataset.load_image = _originals.pop("load_image")
+    dist.generate_ddp_file = _originals.pop("generate_ddp_file")
 
 
 def is_patched() -> bool:
     """Whether :func:`patch` is in effect."""
     return bool(_originals)
+
+
+class PatchInWorkers:
+    """A trainer callback (``on_pretrain_routine_start``, before any loader is built) that calls
+    :func:`patch` with ``arguments`` in a process where it has not been called: one of
+    Ultralytics' DDP workers, which unpickle the trainer and its callbacks."""
+
+    def __init__(self, arguments: dict[str, Any]) -> None:
+        self.arguments = arguments
+
+    def __call__(self, trainer: Any) -> None:
+        if not is_patched():
+            patch(**self.arguments)
+
+
+def _patching_ddp_workers(generate_ddp_file: Callable[[Any], str], arguments: dict[str, Any]
+                          ) -> Callable[[Any], str]:
+    """Ultralytics' ``generate_ddp_file``, which pickles the trainer for its DDP workers, with
+    a :class:`PatchInWorkers` callback added to the trainer first."""
+
+    def with_patch(trainer: Any) -> str:
+        trainer.add_callback("on_pretrain_routine_start", PatchInWorkers(arguments))
+        return generate_ddp_file(trainer)
+
+    return with_patch
