@@ -300,6 +300,8 @@ def test_ddp_workers_patch_themselves(yolo_root, tmp_path):
         "project": str(tmp_path), "name": "ddp", "verbose": False})
     trainer.add_callback("on_train_start", record)
     script = Path(dist.generate_ddp_file(trainer))
+    assert not any(isinstance(c, fu.PatchInWorkers)  # only in the pickle: a later run unpatched
+                   for c in trainer.callbacks["on_pretrain_routine_start"])
     fu.unpatch()  # nothing is inherited: the script's process patches itself
     try:
         # Run as one of torchrun's workers would, without torchrun: one process, on the CPU.

@@ -33,7 +33,7 @@ from fastfeed.device import check_device
 from fastfeed.loader import FastLoader
 from fastfeed.ultralytics.loader import InfiniteFastLoader
 
-__all__ = ["InfiniteFastLoader", "is_patched", "patch", "unpatch"]
+__all__ = ["InfiniteFastLoader", "PatchInWorkers", "is_patched", "patch", "unpatch"]
 
 # FastLoader keywords that DataLoader does not have: Ultralytics never passes them.
 FASTLOADER_OPTIONS = frozenset(inspect.signature(FastLoader).parameters) - frozenset(
@@ -140,10 +140,14 @@ class PatchInWorkers:
 def _patching_ddp_workers(generate_ddp_file: Callable[[Any], str], arguments: dict[str, Any]
                           ) -> Callable[[Any], str]:
     """Ultralytics' ``generate_ddp_file``, which pickles the trainer for its DDP workers, with
-    a :class:`PatchInWorkers` callback added to the trainer first."""
+    a :class:`PatchInWorkers` callback among the trainer's callbacks while it does."""
 
     def with_patch(trainer: Any) -> str:
-        trainer.add_callback("on_pretrain_routine_start", PatchInWorkers(arguments))
-        return generate_ddp_file(trainer)
+        callback = PatchInWorkers(arguments)
+        trainer.add_callback("on_pretrain_routine_start", callback)
+        try:
+            return generate_ddp_file(trainer)
+        finally:  # the trainer shares its callbacks with the YOLO model, which outlives it
+            trainer.callbacks["on_pretrain_routine_start"].remove(callback)
 
     return with_patch
