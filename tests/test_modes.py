@@ -90,8 +90,10 @@ def test_auto_workers_keep_torchs_order_and_grow_when_starved():
     assert_same(expected, got)
     stats = loader.stats()
     if start < loader._max_workers:
-        assert loader.num_workers > start, stats.decisions
-        assert stats.decisions and "consumer waits" in stats.decisions[0]
+        # Whether the added worker is kept rests on measured rates (tested with a fake clock in
+        # test_autotune.py); here, on a busy machine, it may be undone.
+        assert stats.decisions and "consumer waits" in stats.decisions[0], stats.decisions
+        assert loader.num_workers >= start
 
 
 def test_worker_mode_auto_tries_both_then_keeps_one():
