@@ -314,6 +314,29 @@ def test_ddp_workers_patch_themselves(yolo_root, tmp_path):
     assert json.loads(report.read_text()) == [True, {"log_every": 7}, True]
 
 
+def test_ddp_scripts_without_callbacks_are_named(tmp_path, monkeypatch):
+    """Ultralytics releases whose DDP script rebuilds the trainer without its callbacks leave
+    the workers unpatched: say so."""
+    from ultralytics.utils import dist
+
+    script = tmp_path / "old_ddp.py"
+    script.write_text("trainer = DetectionTrainer(cfg=cfg, overrides=overrides)\n")
+    monkeypatch.setattr(dist, "generate_ddp_file", lambda trainer: str(script))
+    fu.patch()
+
+    class Trainer:
+        callbacks = {"on_pretrain_routine_start": []}
+
+        def add_callback(self, event, callback):
+            self.callbacks[event].append(callback)
+
+    try:
+        with pytest.warns(RuntimeWarning, match="Ultralytics' own loader"):
+            assert dist.generate_ddp_file(Trainer()) == str(script)
+    finally:
+        fu.unpatch()  # before monkeypatch puts Ultralytics' own function back
+
+
 def test_example_trains_with_the_one_line(tmp_path):
     example = Path(__file__).resolve().parents[1] / "examples" / "train_yolo_ultralytics.py"
     out = subprocess.run([sys.executable, str(example), "--epochs", "1", "--fast-decode"],

@@ -24,7 +24,9 @@ Ultralytics is optional: ``pip install fastfeed[ultralytics]``.
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from torch.utils.data import DataLoader
@@ -146,8 +148,13 @@ def _patching_ddp_workers(generate_ddp_file: Callable[[Any], str], arguments: di
         callback = PatchInWorkers(arguments)
         trainer.add_callback("on_pretrain_routine_start", callback)
         try:
-            return generate_ddp_file(trainer)
+            script = generate_ddp_file(trainer)
         finally:  # the trainer shares its callbacks with the YOLO model, which outlives it
             trainer.callbacks["on_pretrain_routine_start"].remove(callback)
+        if "_callbacks" not in Path(script).read_text():
+            warnings.warn("fastfeed: this Ultralytics' DDP script does not hand the trainer's "
+                          "callbacks to its workers, so they load with Ultralytics' own loader "
+                          "(Ultralytics 8.4.190 hands them over)", RuntimeWarning, stacklevel=2)
+        return script
 
     return with_patch
