@@ -59,6 +59,8 @@ def train_once(config: str, data_yaml: Path, args: argparse.Namespace) -> list[d
     def epoch_start(trainer) -> None:
         clock.update(start=time.perf_counter(), waited=0.0, images=0)
         clock.pop("batch_end", None)  # the first batch of an epoch also starts the iterator
+        if hasattr(trainer.train_loader, "stats"):
+            trainer.train_loader.stats(reset=True)
 
     def batch_start(trainer) -> None:
         if "batch_end" in clock:
@@ -70,8 +72,12 @@ def train_once(config: str, data_yaml: Path, args: argparse.Namespace) -> list[d
 
     def epoch_end(trainer) -> None:
         elapsed = time.perf_counter() - clock["start"]
-        epochs.append({"images_per_s": clock["images"] / elapsed,
-                       "stall": clock["waited"] / elapsed})
+        record = {"images_per_s": clock["images"] / elapsed, "stall": clock["waited"] / elapsed}
+        if hasattr(trainer.train_loader, "stats"):  # a FastLoader says where its time went
+            stats = trainer.train_loader.stats()
+            record.update(stage_ms=stats.stage_ms, workers_busy=stats.worker_utilization,
+                          ring_mb=stats.ring_mb, gpu_busy=[g.utilization for g in stats.gpu])
+        epochs.append(record)
 
     model = YOLO("yolov8n.yaml")
     for event, callback in [("on_train_epoch_start", epoch_start),
@@ -84,6 +90,21 @@ def train_once(config: str, data_yaml: Path, args: argparse.Namespace) -> list[d
                 val=False, plots=False, amp=args.device != "cpu", project=str(args.project),
                 name=config, exist_ok=True, verbose=False)
     return epochs[1:]
+
+
+def loader_summary(epochs: list[dict]) -> str:
+    """ms per batch of each loader stage, workers' busy share, ring size and GPU busy share."""
+    epochs = [e for e in epochs if "stage_ms" in e]
+    if not epochs:
+        return ""
+    stages = ", ".join(f"{stage} {statistics.median(e['stage_ms'][stage] for e in epochs):.1f}"
+                       for stage in epochs[0]["stage_ms"])
+    line = (f"ms per batch: {stages}; workers "
+            f"{statistics.median(e['workers_busy'] for e in epochs):.0%} busy; ring "
+            f"{statistics.median(e['ring_mb'] for e in epochs):.0f} MB")
+    if epochs[0]["gpu_busy"]:
+        line += f"; GPU {statistics.median(e['gpu_busy'][0] for e in epochs):.0f} % busy"
+    return line
 
 
 def main() -> None:
@@ -119,13 +140,15 @@ def main() -> None:
     print(f"\nyolov8n training, {root.name}, imgsz {args.imgsz}, batch {args.batch_size}, "
           f"{args.workers} workers, device {args.device}: medians of {args.repeats} runs × "
           f"{args.epochs} timed epochs\n")
-    print("| loader | images/s | vs stock | data stall |\n|---|---|---|---|")
+    print("| loader | images/s | vs stock | data stall | FastLoader's stats, medians per epoch "
+          "|\n|---|---|---|---|---|")
     medians = {c: {k: statistics.median(e[k] for e in epochs) for k in ("images_per_s", "stall")}
                for c, epochs in results.items()}
     base = medians.get("stock", {}).get("images_per_s")
     for config, m in medians.items():
         ratio = f"{m['images_per_s'] / base:.2f}×" if base else "n/a"
-        print(f"| {config} | {m['images_per_s']:,.0f} | {ratio} | {100 * m['stall']:.1f} % |")
+        print(f"| {config} | {m['images_per_s']:,.0f} | {ratio} | {100 * m['stall']:.1f} % "
+              f"| {loader_summary(results[config])} |")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"runs": results, "medians": medians}, indent=2))
