@@ -7,7 +7,10 @@ epoch and the wait for every batch: from one ``on_train_batch_end`` to the next
 ``on_train_batch_start``, which is the trainer's ``for batch in loader`` (Ultralytics reads its
 loss values every step, so the GPU has finished the step by then). A first epoch warms up,
 then ``--epochs`` are timed; the table gives, per configuration, the medians over every timed
-epoch of every run of images/s and of the stall (waited / epoch time).
+epoch of every run of images/s and of the stall (waited / epoch time), and for FastLoader
+configurations what its ``stats()`` say: ms per batch of each stage (on CUDA, the host's time
+to enqueue the copy and the GPU ops), the workers' busy share, the ring's size and, where NVML
+answers, how busy the GPU was.
 
 Configurations: ``stock``; ``patched`` (``fastfeed.ultralytics.patch()``); ``fast``
 (``fast_decode``); ``augment`` (``augment_device="cuda"``); ``fast-augment`` (both).
