@@ -102,12 +102,7 @@ def warp_regions(
         pixels: ``N×C`` uint8: the regions' pixels, row by row, one region after another.
         regions: ``B×5`` int64: the index in ``pixels`` of each region's first pixel, its
             height and width, and the source coordinates ``(left, top)`` of that pixel.
-        matrices: ``B×2×3`` forward affine maps of the whole sources.
-        size: output ``(width, height)``.
-        border: the value of every pixel outside the source.
-
-    Returns:
-        ``B×height×width×C`` uint8.
+        matrices, size, border: as for :func:`warp_affine`; the matrices map whole sources.
     """
     if pixels.dtype != torch.uint8 or pixels.dim() != 2:
         raise ValueError(f"pixels must be N×C uint8, got {tuple(pixels.shape)} {pixels.dtype}")
