@@ -20,8 +20,8 @@ from torch.utils.data import get_worker_info
 
 from fastfeed._copy import stack_hwc_to_chw, stack_into
 
-__all__ = ["FormattedImage", "InWorkers", "SlotCollate", "flatten", "format_into_slot",
-           "gathers_images"]
+__all__ = ["FormattedImage", "InWorkers", "SlotCollate", "draws_reverse", "flatten",
+           "format_into_slot", "gathers_images"]
 
 Empty = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
 
@@ -57,6 +57,15 @@ def gathers_images(dataset: Any, collate_fn: Any) -> bool:
             and type(transforms[-1]) is Format)
 
 
+def draws_reverse(format_img: Callable[[np.ndarray], torch.Tensor], channels: int) -> bool:
+    """Whether Ultralytics' ``Format._format_img`` reverses the channels this time: the stock
+    call on a 1×1 marker makes the same random draw (for any channel count) and shows its
+    decision."""
+    marker = np.arange(channels, dtype=np.uint8).reshape(1, 1, -1)
+    first = int(format_img(marker)[0, 0, 0])
+    return channels > 1 and first == channels - 1
+
+
 def format_into_slot(dataset: Any) -> None:
     """Make ``dataset``'s ``Format`` (in this process) hand its images to :class:`SlotCollate`."""
     transform = list(flatten(dataset.transforms))[-1]
@@ -64,12 +73,7 @@ def format_into_slot(dataset: Any) -> None:
 
     def formatted(img: np.ndarray) -> FormattedImage:
         hwc = img if img.ndim == 3 else img[..., None]
-        # The stock call on a 1×1 marker: the same random draw (made for any channel count),
-        # and the order it chose.
-        channels = hwc.shape[2]
-        marker = np.arange(channels, dtype=np.uint8).reshape(1, 1, -1)
-        first = int(format_img(marker)[0, 0, 0])
-        return FormattedImage(hwc, channels > 1 and first == channels - 1)
+        return FormattedImage(hwc, draws_reverse(format_img, hwc.shape[2]))
 
     transform._format_img = formatted
 

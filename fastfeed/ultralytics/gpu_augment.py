@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fastfeed.ultralytics.collate import Empty, SlotCollate, flatten
+from fastfeed.ultralytics.collate import Empty, SlotCollate, draws_reverse, flatten
 from fastfeed.ultralytics.pixel_ops import hsv_lookup, source_region, warp_regions
 
 __all__ = [
@@ -151,11 +151,8 @@ class _Recorder:
 
     def _channel_order_of(self, format_img: Callable[[np.ndarray], torch.Tensor]
                           ) -> Callable[[np.ndarray], torch.Tensor]:
-        marker = np.arange(3, dtype=np.uint8).reshape(1, 1, 3)
-
         def record(img: np.ndarray) -> torch.Tensor:
-            # The stock call on a 1×1 marker: the same random draw, and its decision.
-            self.reverse = int(format_img(marker)[0, 0, 0]) == 2
+            self.reverse = draws_reverse(format_img, 3)
             return torch.empty(0, dtype=torch.uint8)
 
         return record
