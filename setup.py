@@ -1,12 +1,14 @@
 """Builds fastfeed's optional C++ extensions.
 
-Both are plain C++ with pybind11: neither needs torch nor CUDA at build time.
+All are plain C++ with pybind11: none needs torch nor CUDA at build time.
 
 - ``fastfeed._C``: the gather kernels that copy samples into ring slots.
+- ``fastfeed._warp``: OpenCV's bilinear warp for scale-and-translate matrices, separably
+  (Ultralytics' default random perspective).
 - ``fastfeed._jpeg``: region-of-interest JPEG decoding, built when libjpeg-turbo's headers are
   present (Debian: libjpeg-dev).
 
-Both are ``optional``: without a compiler (or libjpeg) the install still finishes, and
+All are ``optional``: without a compiler (or libjpeg) the install still finishes, and
 fastfeed uses its pure-Python paths (``python -m fastfeed info`` says which are active).
 """
 
@@ -23,13 +25,19 @@ def _has_libjpeg() -> bool:
                for d in ("/usr/include", "/usr/local/include", "/opt/homebrew/include"))
 
 
-def _extension(name: str, source: str, **kwargs) -> Pybind11Extension:
-    ext = Pybind11Extension(name, [source], cxx_std=17, extra_compile_args=["-O3"], **kwargs)
+def _extension(name: str, source: str, flags: tuple[str, ...] = (), **kwargs
+               ) -> Pybind11Extension:
+    ext = Pybind11Extension(name, [source], cxx_std=17, extra_compile_args=["-O3", *flags],
+                            **kwargs)
     ext.optional = True
     return ext
 
 
-extensions = [_extension("fastfeed._C", "csrc/gather.cpp")]
+extensions = [
+    _extension("fastfeed._C", "csrc/gather.cpp"),
+    # Unfused multiply-adds: the kernel must round as OpenCV's does (see the file's head).
+    _extension("fastfeed._warp", "csrc/axis_warp.cpp", flags=("-ffp-contract=off", "-fno-wrapv", "-fno-math-errno")),
+]
 if _has_libjpeg():
     extensions.append(_extension("fastfeed._jpeg", "csrc/jpeg_crop.cpp", libraries=["jpeg"]))
 

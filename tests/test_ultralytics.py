@@ -465,6 +465,75 @@ def test_warp_affine_matches_cv2():
     assert diff.max() <= 2 and (diff > 0).mean() < 0.01, ((diff > 0).mean(), diff.max())
 
 
+def axis_aligned_cases(rng, count):
+    """Images, scale-and-translate matrices and sizes: zoom in and out, unequal scales, rows
+    with padding between them, outputs that run past every edge of the image."""
+    for i in range(count):
+        h, w = (int(v) for v in rng.integers(40, 900, 2))
+        image = rng.integers(0, 256, (h, w + 5 * (i % 2), 3), dtype=np.uint8)[:, :w]
+        sx = rng.uniform(0.3, 2.0)
+        sy = sx if i % 3 else rng.uniform(0.3, 2.0)
+        matrix = np.array([[sx, 0, rng.uniform(-1200, 600)], [0, sy, rng.uniform(-1200, 600)],
+                           [0, 0, 1]], np.float32)
+        yield image, matrix, (32 * int(rng.integers(1, 25)), int(rng.integers(1, 500)))
+
+
+@pytest.mark.skipif(cv2.__version__ < "5", reason="OpenCV 4 warps in fixed point")
+def test_axis_aligned_warp_is_opencvs_to_the_bit():
+    from fastfeed.ultralytics.warp import matches_opencv, warp_axis_aligned
+
+    assert matches_opencv()
+    for image, matrix, size in axis_aligned_cases(np.random.default_rng(0), 40):
+        expected = cv2.warpAffine(image, matrix[:2], dsize=size, borderValue=(114,) * 4)
+        assert np.array_equal(warp_axis_aligned(image, matrix, size), expected), (
+            image.shape, matrix, size)
+
+
+def test_other_warps_are_left_to_opencv(monkeypatch):
+    from ultralytics.data.augment import RandomPerspective
+
+    from fastfeed import _warp
+    from fastfeed.ultralytics.warp import exact_warp, warp_axis_aligned
+
+    rng = np.random.default_rng(1)
+    image = rng.integers(0, 256, (200, 300, 3), dtype=np.uint8)
+    scale = np.array([[0.9, 0, 10], [0, 0.9, -5]], np.float32)
+    for bad_image, matrix, size in [
+        (image, cv2.getRotationMatrix2D((0, 0), 10, 0.9).astype(np.float32), (64, 64)),
+        (image, np.array([[0.9, 0.1, 0], [0, 0.9, 0]], np.float32), (64, 64)),  # shear
+        (image, scale, (60, 64)),  # width not a multiple of 32
+        (image[..., :1].copy(), scale, (64, 64)),
+        (image[:, ::2], scale, (64, 64)),  # pixels not contiguous
+    ]:
+        with pytest.raises(ValueError):
+            warp_axis_aligned(bad_image, matrix, size)
+        monkeypatch.setattr(_warp, "warp_axis_aligned", None)  # taking the kernel would fail
+        warp = exact_warp(RandomPerspective.apply_image)
+        transform = RandomPerspective()
+        labels = warp(transform, {"img": bad_image}, {"M": matrix, "size": size})
+        expected = cv2.warpAffine(bad_image, matrix[:2], dsize=size, borderValue=(114,) * 4)
+        assert np.array_equal(labels["img"].reshape(expected.shape), expected)
+        monkeypatch.undo()
+
+
+def test_patched_training_takes_the_separable_warp(yolo_root, monkeypatch):
+    from ultralytics.data import augment
+
+    from fastfeed import _warp
+
+    stock = augment.RandomPerspective.apply_image
+    calls = []
+    kernel = _warp.warp_axis_aligned
+    monkeypatch.setattr(_warp, "warp_axis_aligned", lambda *a: calls.append(a) or kernel(*a))
+    fu.patch()
+    assert augment.RandomPerspective.apply_image is not stock
+    _, data = dataset(yolo_root)
+    data[0]
+    assert len(calls) == 1
+    fu.unpatch()
+    assert augment.RandomPerspective.apply_image is stock
+
+
 def test_hsv_conversions_match_cv2():
     from fastfeed.ultralytics.gpu_augment import opencv_hsv_truncates
     from fastfeed.ultralytics.pixel_ops import bgr_to_hsv, hsv_to_bgr

@@ -1,0 +1,169 @@
+// fastfeed._warp: OpenCV's bilinear warpAffine, bit for bit, for axis-aligned matrices.
+//
+// Ultralytics' default random perspective (degrees=0, shear=0, perspective=0) scales and
+// translates: its matrix has no rotation or shear terms. Then the source column of an output
+// pixel depends on its column only, and the source row on its row only, so the bilinear
+// interpolation splits into a horizontal pass over the source rows that the output needs and
+// a vertical pass over output rows. Each horizontally interpolated row is reused by every
+// output row that reads it, and the vertical pass runs over contiguous memory.
+//
+// OpenCV 5 computes a warp in float32 (modules/imgproc/src/warp_kernels.simd.hpp): the
+// inverse matrix in double, then per pixel sx = fma(M0, x, M2), sy = y*M4 + M5, the weights
+// a = sx - floor(sx), b = sy - floor(sy), then v0 = fma(a, p01 - p00, p00),
+// v1 = fma(a, p11 - p10, p10), out = round_half_even(fma(b, v1 - v0, v0)), with the border
+// value in place of any neighbour outside the source. The horizontal pass here computes v0 and
+// v1 exactly so, and the vertical pass the last step, so the result is OpenCV's to the bit.
+// That equality is an assumption about one OpenCV build; fastfeed.ultralytics.warp checks it
+// against cv2 at run time before it takes this path.
+//
+// The file is compiled with -ffp-contract=off: a fused y*M4 + M5 would round differently.
+
+#include <pybind11/pybind11.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace {
+
+#if defined(__x86_64__) || defined(__i386__)
+// std::fma without the FMA instruction is a slow library call; x86 needs the target.
+#define FASTFEED_FMA_TARGET __attribute__((target("avx2,fma")))
+bool has_fma() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
+#else
+#define FASTFEED_FMA_TARGET
+bool has_fma() { return true; }
+#endif
+
+// Source column c of a row sits at c + kPad in the padded row, between border pixels.
+constexpr int kPad = 2;
+
+struct Inverse {
+    double m0, m2, m4, m5;
+};
+
+// The inverse of [[a, 0, b], [0, d, e]] as cv::warpAffine computes it (in double).
+Inverse invert(double a, double b, double d, double e) {
+    double det = a * d;
+    det = det != 0 ? 1. / det : 0;
+    const double m0 = d * det, m4 = a * det;
+    return {m0, -m0 * b, m4, -m4 * e};
+}
+
+struct Plan {
+    std::vector<int> column;  // padded index of each output column's left neighbour
+    std::vector<float> alpha;
+    int first = 0, last = -1;  // the source columns that any output column reads
+};
+
+FASTFEED_FMA_TARGET Plan plan_columns(const Inverse& inv, int src_w, int out_w) {
+    Plan plan;
+    plan.column.resize(out_w);
+    plan.alpha.resize(out_w);
+    const float m0 = static_cast<float>(inv.m0), m2 = static_cast<float>(inv.m2);
+    int lo = src_w + 2 * kPad, hi = 0;
+    for (int x = 0; x < out_w; ++x) {
+        const float sx = std::fma(m0, static_cast<float>(x), m2);
+        const float left = std::floor(sx);
+        plan.alpha[x] = sx - left;
+        // Far outside the source both neighbours are border pixels: clamp into the padding.
+        const double padded = std::clamp(static_cast<double>(left) + kPad, 0.0,
+                                         static_cast<double>(src_w + kPad));
+        plan.column[x] = static_cast<int>(padded);
+        lo = std::min(lo, plan.column[x]);
+        hi = std::max(hi, plan.column[x] + 1);
+    }
+    plan.first = std::max(lo - kPad, 0);
+    plan.last = std::min(hi - kPad, src_w - 1);
+    return plan;
+}
+
+// One source row (or the border, outside the source), interpolated at every output column.
+FASTFEED_FMA_TARGET void horizontal(const uint8_t* src, int64_t stride, int src_h, int64_t row,
+                                    const Plan& plan, float border, std::vector<float>& padded,
+                                    float* __restrict out, int out_w) {
+    if (row < 0 || row >= src_h) {
+        std::fill(out, out + static_cast<size_t>(out_w) * 3, border);
+        return;
+    }
+    const uint8_t* line = src + row * stride;
+    float* base = padded.data();
+    for (int i = plan.first * 3; i < (plan.last + 1) * 3; ++i) base[kPad * 3 + i] = line[i];
+    const int* column = plan.column.data();
+    const float* alpha = plan.alpha.data();
+    for (int x = 0; x < out_w; ++x) {
+        const float* p = base + static_cast<size_t>(column[x]) * 3;
+        const float a = alpha[x];
+        out[3 * x] = std::fma(a, p[3] - p[0], p[0]);
+        out[3 * x + 1] = std::fma(a, p[4] - p[1], p[1]);
+        out[3 * x + 2] = std::fma(a, p[5] - p[2], p[2]);
+    }
+}
+
+FASTFEED_FMA_TARGET void warp(const uint8_t* src, int src_h, int src_w, int64_t stride,
+                              uint8_t* dst, int out_h, int out_w, const Inverse& inv,
+                              float border) {
+    const Plan plan = plan_columns(inv, src_w, out_w);
+    std::vector<float> padded(static_cast<size_t>(src_w + 2 * kPad) * 3, border);
+    const size_t n = static_cast<size_t>(out_w) * 3;
+    std::vector<float> upper(n), lower(n);
+    int64_t upper_row = INT64_MIN, lower_row = INT64_MIN;
+    const float m4 = static_cast<float>(inv.m4), m5 = static_cast<float>(inv.m5);
+    for (int y = 0; y < out_h; ++y) {
+        float sy = static_cast<float>(y) * m4;
+        sy = sy + m5;
+        const float top = std::floor(sy);
+        const float b = sy - top;
+        const int64_t row = static_cast<int64_t>(std::clamp(static_cast<double>(top), -2.0,
+                                                            static_cast<double>(src_h) + 1));
+        if (row == lower_row) {  // moving down one row: the old lower row is the new upper
+            std::swap(upper, lower);
+            upper_row = lower_row;
+            lower_row = INT64_MIN;
+        }
+        if (row != upper_row) {
+            horizontal(src, stride, src_h, row, plan, border, padded, upper.data(), out_w);
+            upper_row = row;
+        }
+        if (row + 1 != lower_row) {
+            horizontal(src, stride, src_h, row + 1, plan, border, padded, lower.data(), out_w);
+            lower_row = row + 1;
+        }
+        uint8_t* out = dst + static_cast<size_t>(y) * n;
+        const float* v0 = upper.data();
+        const float* v1 = lower.data();
+        for (size_t i = 0; i < n; ++i) {  // an int clamp: GCC vectorises it, not a float one
+            const int v = static_cast<int>(std::nearbyint(std::fma(b, v1[i] - v0[i], v0[i])));
+            out[i] = static_cast<uint8_t>(std::clamp(v, 0, 255));
+        }
+    }
+}
+
+bool available() { return has_fma(); }
+
+// Pointers arrive as integers; fastfeed/ultralytics/warp.py checks shapes, dtypes and strides.
+void warp_axis_aligned(uintptr_t src, int src_h, int src_w, int64_t stride, uintptr_t dst,
+                       int out_h, int out_w, double a, double b, double d, double e,
+                       double border) {
+    const Inverse inv = invert(a, b, d, e);
+    py::gil_scoped_release release;
+    warp(reinterpret_cast<const uint8_t*>(src), src_h, src_w, stride,
+         reinterpret_cast<uint8_t*>(dst), out_h, out_w, inv, static_cast<float>(border));
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_warp, m) {
+    m.doc() = "OpenCV's bilinear warpAffine for scale-and-translate matrices, separably.";
+    m.def("available", &available, "Whether this CPU runs the kernel at full speed (FMA).");
+    m.def("warp_axis_aligned", &warp_axis_aligned, py::arg("src"), py::arg("src_h"),
+          py::arg("src_w"), py::arg("stride"), py::arg("dst"), py::arg("out_h"),
+          py::arg("out_w"), py::arg("a"), py::arg("b"), py::arg("d"), py::arg("e"),
+          py::arg("border"),
+          "Warp an HxWx3 uint8 image (rows `stride` bytes apart) by [[a, 0, b], [0, d, e]] "
+          "into a contiguous out_h x out_w x 3 buffer, as cv2.warpAffine with INTER_LINEAR "
+          "and a constant border.");
+}
