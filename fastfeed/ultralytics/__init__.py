@@ -14,7 +14,7 @@ puts :class:`InfiniteFastLoader` in that class's place, so the loaders are FastL
 exactly Ultralytics' arguments: its seeded generator, ``seed_worker``, ``prefetch_factor``,
 samplers under DDP, ``collate_fn`` and ``drop_last``. Batches equal the stock loader's.
 Ultralytics' default random perspective (a scale and a translation) takes a separable warp that
-gives OpenCV's bytes in about 60 % of its time (:mod:`fastfeed.ultralytics.warp`).
+gives OpenCV's bytes in a third of its time (:mod:`fastfeed.ultralytics.warp`).
 
 Multi-GPU training runs in processes that Ultralytics starts from a script it writes, which
 rebuild the trainer from a pickle: :func:`patch` gives that trainer a callback that patches each
