@@ -46,6 +46,16 @@ def _client(distribution: str, missing: str) -> str:
         return f"not installed ({missing})"
 
 
+def _warp_kernel() -> str:
+    try:
+        from fastfeed import _warp  # type: ignore[attr-defined]
+    except ImportError:
+        return "not built: Ultralytics keeps OpenCV's warp"
+    if not _warp.available():
+        return "built, but this CPU has no AVX2/FMA: Ultralytics keeps OpenCV's warp"
+    return "fastfeed._warp (taken where it gives OpenCV's bytes)"
+
+
 def collect() -> dict[str, str]:
     """Gather the facts ``fastfeed info`` prints, as strings."""
     cuda = torch.cuda.is_available()
@@ -62,6 +72,7 @@ def collect() -> dict[str, str]:
         "C++ extension": "loaded" if extension_loaded() else "not built: pure-torch copy path",
         "JPEG window decoder": "libjpeg-turbo (fastfeed._jpeg)" if roi_decoder_available()
         else "not built: Pillow draft mode",
+        "YOLO warp kernel": _warp_kernel(),
         "ring": "memfd slots" if ring_supported() else "unsupported here: ordinary path",
         "CUDA": f"{torch.version.cuda} ({torch.cuda.device_count()} device(s))"
         if cuda

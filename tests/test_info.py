@@ -7,7 +7,8 @@ from fastfeed.info import collect
 def test_info_runs_and_reports_everything():
     out = subprocess.run([sys.executable, "-m", "fastfeed", "info"], capture_output=True,
                          text=True, check=True).stdout
-    for key in ("fastfeed", "torch", "numpy", "Pillow", "C++ extension", "CUDA", "GPU", "NVML",
+    for key in ("fastfeed", "torch", "numpy", "Pillow", "C++ extension", "YOLO warp kernel",
+                "CUDA", "GPU", "NVML",
                 "DALI", "torchvision", "Ultralytics", "CPUs (affinity)", "/dev/shm"):
         assert f"\n{key} " in "\n" + out, key
 
