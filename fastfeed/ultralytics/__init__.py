@@ -51,7 +51,9 @@ def patch(fast_decode: bool = False, augment_device: str | None = None,
     r"""Make Ultralytics load its batches with :class:`InfiniteFastLoader`.
 
     Call it once before ``model.train(...)``. Calling it again replaces the options; the
-    loaders built before a call keep what they were built with.
+    loaders built before a call keep what they were built with. ``RandomPerspective`` also
+    warps scale-and-translate matrices (Ultralytics' defaults) with a separable kernel whose
+    output is OpenCV's, byte for byte (:mod:`fastfeed.ultralytics.warp`).
 
     Args:
         fast_decode (bool): decode JPEGs at least twice ``imgsz`` at a reduced DCT scale
