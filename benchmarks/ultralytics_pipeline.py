@@ -27,6 +27,7 @@ camera JPEGs are; 1 to 7 labelled boxes each. Generated on first use, never comm
 
     python benchmarks/ultralytics_pipeline.py --pixels --json benchmarks/out/yolo-large.json
     python benchmarks/ultralytics_pipeline.py --widths 480,800 --json benchmarks/out/yolo-small.json
+    python benchmarks/ultralytics_pipeline.py --cache ram   # images decoded once, up front
     python benchmarks/ultralytics_pipeline.py --profile      # ms per sample, per OpenCV call
     python benchmarks/ultralytics_pipeline.py --ops-device cuda  # the batch pixel ops alone
 """
@@ -95,7 +96,7 @@ def make_photo_yolo(root: Path, images: int, widths: tuple[int, int], seed: int 
 
 
 def images_per_s(config: str, root: Path, imgsz: int, workers: int, batch_size: int,
-                 epochs: int) -> list[float]:
+                 epochs: int, cache: str = "") -> list[float]:
     """Images/s of each timed epoch of one configuration (run in this process)."""
     os.environ["YOLO_OFFLINE"] = "1"
     import torch
@@ -112,7 +113,7 @@ def images_per_s(config: str, root: Path, imgsz: int, workers: int, batch_size: 
 
         gpu_augment.PixelOps.__call__ = lambda self, batch: batch  # type: ignore[method-assign]
     torch.manual_seed(0)
-    cfg = get_cfg(DEFAULT_CFG, {"imgsz": imgsz})
+    cfg = get_cfg(DEFAULT_CFG, {"imgsz": imgsz, "cache": cache or False})
     data = {"names": {i: str(i) for i in range(8)}, "nc": 8, "channels": 3}
     dataset = build_yolo_dataset(cfg, str(root / "images"), batch_size, data, mode="train")
     loader = build_dataloader(dataset, batch_size, workers, shuffle=True, rank=-1)
@@ -291,6 +292,8 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true",
                         help="only profile samples in this process (ms per call), no loaders")
     parser.add_argument("--ops-device", help="only time the augment_device pixel ops there")
+    parser.add_argument("--cache", choices=["", "ram"], default="",
+                        help="Ultralytics' image cache: 'ram' decodes every image once, up front")
     args = parser.parse_args()
     if args.ops_device:
         print(device_ops_ms(args.ops_device, args.imgsz, args.batch_size))
@@ -298,7 +301,7 @@ def main() -> None:
 
     if args.one:
         print(json.dumps(images_per_s(args.one, args.data, args.imgsz, args.workers,
-                                      args.batch_size, args.epochs)))
+                                      args.batch_size, args.epochs, args.cache)))
         return
 
     from fastfeed.bench.data import CACHE
@@ -315,9 +318,11 @@ def main() -> None:
     rates = interleaved_rates(
         __file__, args.configs.split(","), args.repeats,
         ["--data", str(root), "--imgsz", str(args.imgsz), "--workers", str(args.workers),
-         "--batch-size", str(args.batch_size), "--epochs", str(args.epochs)],
+         "--batch-size", str(args.batch_size), "--epochs", str(args.epochs),
+         "--cache", args.cache],
         desc="ultralytics pipeline")
-    title = (f"Ultralytics YOLODataset (train augmentations), {root.name}, imgsz {args.imgsz}: "
+    title = (f"Ultralytics YOLODataset (train augmentations), {root.name}, imgsz {args.imgsz}"
+             f"{', images cached in RAM' if args.cache else ''}: "
              f"batch {args.batch_size}, {args.workers} workers, median of {args.repeats} runs × "
              f"{args.epochs} epochs")
     print_ratio_table(title, rates, json_path=args.json)
