@@ -467,10 +467,11 @@ def test_warp_affine_matches_cv2():
 
 def axis_aligned_cases(rng, count):
     """Images, scale-and-translate matrices and sizes: zoom in and out, unequal scales, rows
-    with padding between them, outputs that run past every edge of the image."""
+    with padding between them or in reverse order, outputs that run past every edge."""
     for i in range(count):
         h, w = (int(v) for v in rng.integers(40, 900, 2))
         image = rng.integers(0, 256, (h, w + 5 * (i % 2), 3), dtype=np.uint8)[:, :w]
+        image = image[::-1] if i % 4 == 3 else image
         sx = rng.uniform(0.3, 2.0)
         sy = sx if i % 3 else rng.uniform(0.3, 2.0)
         matrix = np.array([[sx, 0, rng.uniform(-1200, 600)], [0, sy, rng.uniform(-1200, 600)],
