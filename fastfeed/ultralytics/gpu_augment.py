@@ -27,12 +27,12 @@ import torch
 
 from fastfeed.ultralytics.collate import Empty, SlotCollate, draws_reverse, flatten
 from fastfeed.ultralytics.pixel_ops import hsv_lookup, source_region, warp_regions
+from fastfeed.ultralytics.warp import BORDER
 
 __all__ = [
     "CanvasCollate", "PixelOps", "defer_pixel_ops", "opencv_hsv_truncates", "unsupported_reason",
 ]
 
-BORDER = 114  # Ultralytics' fill value for mosaic canvases and warps
 # Per sample: the 2×3 matrix, then the apply-HSV and reverse-channels flags.
 PARAMS_KEY = "fastfeed_pixel_params"
 LUT_KEY = "fastfeed_hsv_lut"

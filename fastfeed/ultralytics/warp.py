@@ -29,7 +29,7 @@ except ImportError:  # installed without a C++ compiler: every warp stays OpenCV
 
 __all__ = ["exact_warp", "matches_opencv", "warp_axis_aligned"]
 
-BORDER = 114  # the fill value of Ultralytics' warps
+BORDER = 114  # Ultralytics' fill value for mosaic canvases and warps
 # OpenCV computes the last (width mod its vector width) pixels of a row with scalar code
 # whose rounding may differ; a multiple of 32 has no such tail on any of its builds.
 _WIDTH_MULTIPLE = 32
