@@ -227,7 +227,8 @@ def device_ops_ms(device: str, imgsz: int, batch_size: int, repeats: int = 20) -
 
     g = torch.Generator().manual_seed(0)
     canvas = torch.randint(0, 256, (2 * imgsz, 2 * imgsz, 3), dtype=torch.uint8, generator=g)
-    angle, scale = (torch.rand(batch_size, generator=g) - 0.5) * 0.2, 0.5 + torch.rand(batch_size, generator=g)
+    angle = (torch.rand(batch_size, generator=g) - 0.5) * 0.2
+    scale = 0.5 + torch.rand(batch_size, generator=g)
     params = torch.zeros(batch_size, 8, dtype=torch.float64)
     params[:, 0], params[:, 1] = scale * angle.cos(), -scale * angle.sin()
     params[:, 3], params[:, 4] = scale * angle.sin(), scale * angle.cos()

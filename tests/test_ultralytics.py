@@ -460,9 +460,8 @@ def test_warp_affine_matches_cv2():
                                         borderValue=(114, 114, 114, 114)) for m in matrices])
     got = warp_affine(torch.from_numpy(canvas).expand(6, -1, -1, -1).contiguous(),
                       torch.from_numpy(np.stack([m[:2] for m in matrices])), (160, 160)).numpy()
-    diff = np.abs(got.astype(int) - expected)
     assert got.shape == expected.shape
-    assert diff.max() <= 2 and (diff > 0).mean() < 0.01, ((diff > 0).mean(), diff.max())
+    assert np.array_equal(got, expected), (got != expected).mean()
 
 
 def axis_aligned_cases(rng, count):
@@ -547,8 +546,7 @@ def test_hsv_conversions_match_cv2():
                     rng.integers(0, 256, (64, 640))], -1).astype(np.uint8)
     expected = cv2.cvtColor(hsv, cv2.COLOR_HSV2BGR)
     got = hsv_to_bgr(torch.from_numpy(hsv), truncate=opencv_hsv_truncates()).numpy()
-    diff = np.abs(got.astype(int) - expected)
-    assert diff.max() <= 1 and (diff > 0).mean() < 0.001, ((diff > 0).mean(), diff.max())
+    assert np.array_equal(got, expected), (got != expected).mean()
 
 
 def test_hsv_lookup_matches_random_hsv():
@@ -568,13 +566,13 @@ def test_hsv_lookup_matches_random_hsv():
     got = hsv_lookup(torch.from_numpy(images), luts, torch.tensor([True, True, True, False]),
                      opencv_hsv_truncates()).numpy()
     assert np.array_equal(got[3], images[3])
-    diff = np.abs(got[:3].astype(int) - expected[:3])
-    assert diff.max() <= 1 and (diff > 0).mean() < 0.001, ((diff > 0).mean(), diff.max())
+    assert np.array_equal(got[:3], expected[:3])
 
 
 def test_device_augmentation_keeps_labels_and_pixels(yolo_root):
     """Through Ultralytics' build_dataloader, two epochs, close_mosaic + reset(), a third:
-    every label equal to stock's; images differ from OpenCV's in under 0.1 % of values."""
+    every label equal to stock's; images differ from OpenCV's in under 0.1 % of values (a few
+    in 100,000 here)."""
     _, stock = epochs_with_close_mosaic(yolo_root)
     fu.patch(augment_device="cpu")
     fast_type, fast = epochs_with_close_mosaic(yolo_root)
@@ -586,8 +584,9 @@ def test_device_augmentation_keeps_labels_and_pixels(yolo_root):
         s, f = stock_batch["img"], fast_batch["img"]
         assert f.dtype == s.dtype and f.shape == s.shape and f.is_contiguous()
         diff = (f.int() - s.int()).abs()
-        # A warp that rounds one pixel the other way can cross a hue step, which HSV turns
-        # into a few grey levels; a wrong op would change most pixels.
+        # The ops are OpenCV's arithmetic, but a flip folded into the warp's matrix can round
+        # a source coordinate the other way, and HSV can turn that into a few grey levels; a
+        # wrong op would change most pixels.
         assert (diff > 0).float().mean() < 0.001 and diff.max() <= 16
 
 

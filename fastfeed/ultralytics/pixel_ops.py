@@ -5,12 +5,15 @@ The random perspective warp (``cv2.warpAffine``, bilinear, border 114) and the H
 Ultralytics' training augmentation. Here they take a whole batch at once, so that they can run
 on the GPU; on the CPU the same code is the reference they are tested with against OpenCV.
 
-The arithmetic follows OpenCV's rather than a generic resampler's. The warp inverts the map in
-float64 and interpolates in float32, the border value standing in for every neighbour outside
-the source, as OpenCV 5.0's warpAffine does (releases that quantise coordinates to 1/32 pixel
-differ by a grey level or two on sharp edges). BGR→HSV is OpenCV's integer conversion, and
-HSV→BGR its float one, which OpenCV 5 truncates to uint8 and OpenCV 4 rounds. Parameters are
-drawn elsewhere, by Ultralytics' own code; these functions only apply them.
+The arithmetic is OpenCV's, step for step, rather than a generic resampler's. The warp inverts
+the map in float64 and computes coordinates and interpolation in float32 with the fused
+multiply-adds of OpenCV 5's x86 build, the border value standing in for every neighbour outside
+the source (releases that quantise coordinates to 1/32 pixel differ by a grey level or two on
+sharp edges). BGR→HSV is OpenCV's integer conversion, and HSV→BGR its float one, which OpenCV 5
+truncates to uint8 and OpenCV 4 rounds. Against OpenCV 5 on the same parameters, on the CPU,
+all three are bit-identical (``tests/test_ultralytics.py``). A fused multiply-add is computed
+in float64 and rounded once to float32. Parameters are drawn elsewhere, by Ultralytics' own
+code; these functions only apply them.
 """
 
 from __future__ import annotations
@@ -119,9 +122,10 @@ def warp_regions(
     xs = torch.arange(out_w, device=device, dtype=torch.float32).view(1, 1, -1)
     ys = torch.arange(out_h, device=device, dtype=torch.float32).view(1, -1, 1)
     coeff = inverse.view(batch, 2, 3, 1, 1)
-    # source coordinates of every output pixel, B×h×w, then in the region
-    sx = coeff[:, 0, 0] * xs + coeff[:, 0, 1] * ys + coeff[:, 0, 2] - left.to(torch.float32)
-    sy = coeff[:, 1, 0] * xs + coeff[:, 1, 1] * ys + coeff[:, 1, 2] - top.to(torch.float32)
+    # Source coordinates of every output pixel (B×h×w) as OpenCV 5 computes them:
+    # fma(M0, x, y*M1 + M2), the row term unfused; then shifted into the region.
+    sx = _fma(coeff[:, 0, 0], xs, ys * coeff[:, 0, 1] + coeff[:, 0, 2]) - left.to(torch.float32)
+    sy = _fma(coeff[:, 1, 0], xs, ys * coeff[:, 1, 1] + coeff[:, 1, 2]) - top.to(torch.float32)
     x0, y0 = torch.floor(sx), torch.floor(sy)
     fx, fy = (sx - x0).unsqueeze(-1), (sy - y0).unsqueeze(-1)
     x0, y0 = x0.to(torch.int64), y0.to(torch.int64)
@@ -134,9 +138,17 @@ def warp_regions(
         values = pixels[index.view(-1)].view(batch, out_h, out_w, channels).to(torch.float32)
         return torch.where(inside.unsqueeze(-1), values, float(border))
 
-    top_row = neighbour(0, 0) * (1 - fx) + neighbour(0, 1) * fx
-    bottom_row = neighbour(1, 0) * (1 - fx) + neighbour(1, 1) * fx
-    return torch.round(top_row * (1 - fy) + bottom_row * fy).clamp(0, 255).to(torch.uint8)
+    # OpenCV's order: across each row, then down, each step one fused multiply-add.
+    upper, lower = neighbour(0, 0), neighbour(1, 0)
+    upper = _fma(fx, neighbour(0, 1) - upper, upper)
+    lower = _fma(fx, neighbour(1, 1) - lower, lower)
+    return torch.round(_fma(fy, lower - upper, upper)).clamp(0, 255).to(torch.uint8)
+
+
+def _fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    # a*b + c rounded once to float32, as OpenCV's v_fma: float64 holds the product of two
+    # float32s exactly, and the sum too unless their magnitudes are far apart.
+    return (a.to(torch.float64) * b.to(torch.float64) + c.to(torch.float64)).to(torch.float32)
 
 
 # The tables are made once per device: building a tensor from Python data on every batch would
@@ -171,6 +183,12 @@ def _sectors(device: torch.device) -> torch.Tensor:
     return torch.tensor(sectors, device=device)
 
 
+def _one_minus_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    # OpenCV's x86 build (AVX2) fuses 1 - a*b into one multiply-add, rounded once. float64
+    # holds the product of two float32s exactly, so one rounding to float32 follows it.
+    return (1 - a.to(torch.float64) * b.to(torch.float64)).to(torch.float32)
+
+
 def hsv_to_bgr(hsv: torch.Tensor, truncate: bool = True) -> torch.Tensor:
     """``cv2.cvtColor(hsv, cv2.COLOR_HSV2BGR)`` for uint8 ``…×3`` HSV with H in [0, 180).
 
@@ -183,7 +201,8 @@ def hsv_to_bgr(hsv: torch.Tensor, truncate: bool = True) -> torch.Tensor:
     sector = torch.floor(h)
     frac = h - sector
     sector = sector.to(torch.int64).clamp(0, 5)
-    tab = torch.stack([v, v * (1 - s), v * (1 - s * frac), v * (1 - s * (1 - frac))], -1)
+    tab = torch.stack([v, v * (1 - s), v * _one_minus_product(s, frac),
+                       v * _one_minus_product(s, 1 - frac)], -1)
     order = _sectors(hsv.device)[sector]  # …×3 indices into tab
     bgr = torch.gather(tab, -1, order)
     bgr = torch.where((s == 0).unsqueeze(-1), v.unsqueeze(-1).expand_as(bgr), bgr)
