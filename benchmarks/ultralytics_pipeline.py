@@ -217,9 +217,12 @@ def device_ops_ms(device: str, imgsz: int, batch_size: int, repeats: int = 20) -
     import torch
 
     from fastfeed.ultralytics.gpu_augment import (
+        HSV_FLAG,
         LUT_KEY,
+        PARAM_COLUMNS,
         PARAMS_KEY,
         REGION_KEY,
+        REVERSE_FLAG,
         SIZE_KEY,
         PixelOps,
     )
@@ -229,11 +232,11 @@ def device_ops_ms(device: str, imgsz: int, batch_size: int, repeats: int = 20) -
     canvas = torch.randint(0, 256, (2 * imgsz, 2 * imgsz, 3), dtype=torch.uint8, generator=g)
     angle = (torch.rand(batch_size, generator=g) - 0.5) * 0.2
     scale = 0.5 + torch.rand(batch_size, generator=g)
-    params = torch.zeros(batch_size, 8, dtype=torch.float64)
+    params = torch.zeros(batch_size, PARAM_COLUMNS, dtype=torch.float64)
     params[:, 0], params[:, 1] = scale * angle.cos(), -scale * angle.sin()
     params[:, 3], params[:, 4] = scale * angle.sin(), scale * angle.cos()
     params[:, 2] = params[:, 5] = -imgsz * scale + imgsz / 2  # the canvas centre to the output's
-    params[:, 6:8] = 1  # HSV on, channels reversed
+    params[:, HSV_FLAG] = params[:, REVERSE_FLAG] = 1
     luts = torch.randint(0, 256, (batch_size, 3, 256), dtype=torch.uint8, generator=g)
     luts[:, 0] %= 180
     parts, regions, first = [], [], 0

@@ -140,12 +140,19 @@ def test_device_matches_cpu():
 def test_pixel_ops_never_wait_for_the_device():
     """PixelOps runs on the loader's copy stream from the training thread: it must only
     enqueue work, never read a device value back."""
-    from fastfeed.ultralytics.gpu_augment import LUT_KEY, PARAMS_KEY, REGION_KEY, SIZE_KEY, PixelOps
+    from fastfeed.ultralytics.gpu_augment import (
+        LUT_KEY,
+        PARAM_COLUMNS,
+        PARAMS_KEY,
+        REGION_KEY,
+        SIZE_KEY,
+        PixelOps,
+    )
 
     ops = PixelOps(truncate_hsv=True)
     matrices = random_matrices(2, 128, 64)
     pixels, regions = pack(random_images(2, 128, 128), matrices, (64, 64))
-    params = torch.ones(2, 8, dtype=torch.float64)
+    params = torch.ones(2, PARAM_COLUMNS, dtype=torch.float64)
     params[:, :6] = torch.from_numpy(matrices[:, :2].reshape(2, 6))
     batch = {"img": pixels.cuda(), PARAMS_KEY: params.cuda(), REGION_KEY: regions.cuda(),
              LUT_KEY: torch.arange(256, dtype=torch.uint8).expand(2, 3, 256).contiguous().cuda(),

@@ -3,8 +3,8 @@
 After the mosaic, Ultralytics' training pipeline spends most of a sample's time on three pixel
 operations: the random perspective warp, the HSV jitter and the flips. Here, inside each worker,
 those three record what they would do instead of doing it: ``RandomPerspective`` its matrix,
-``RandomHSV`` its lookup table, each ``RandomFlip`` a mirror folded into the matrix, and
-``Format`` whether it reverses the channels. Every random number is drawn by Ultralytics' own
+``RandomHSV`` its lookup table, each ``RandomFlip`` whether it mirrors, and ``Format`` whether it
+reverses the channels. Every random number is drawn by Ultralytics' own
 code, in its order, so labels and boxes are exactly the stock ones. The sample carries the
 part of the unwarped canvas that the warp reads (about 40 % of a mosaic canvas, on average)
 and those parameters; :class:`CanvasCollate` packs the parts into the ring slot, and
@@ -33,8 +33,11 @@ __all__ = [
     "CanvasCollate", "PixelOps", "defer_pixel_ops", "opencv_hsv_truncates", "unsupported_reason",
 ]
 
-# Per sample: the 2×3 matrix, then the apply-HSV and reverse-channels flags.
+# Per sample: the 2×3 matrix, then flags: apply HSV, reverse the channels, mirror left-right,
+# mirror upside down (the columns after the matrix).
 PARAMS_KEY = "fastfeed_pixel_params"
+HSV_FLAG, REVERSE_FLAG, FLIP_LR_FLAG, FLIP_UD_FLAG = 6, 7, 8, 9
+PARAM_COLUMNS = 10
 LUT_KEY = "fastfeed_hsv_lut"
 # Per sample: its part of the canvas (height, width, left, top); per batch, each row led by
 # the index of the part's first pixel in the packed pixels (see pixel_ops.warp_regions).
@@ -89,16 +92,6 @@ def _hsv_lut(hsv: Any) -> np.ndarray:
     return np.stack((lut_hue, lut_sat, lut_val))
 
 
-def _mirror(matrix: np.ndarray, direction: str, width: int, height: int) -> np.ndarray:
-    """``matrix``, then ``np.fliplr`` (or ``np.flipud``) of its ``width``×``height`` output."""
-    flip = np.eye(3)
-    if direction == "horizontal":
-        flip[0, 0], flip[0, 2] = -1, width - 1
-    else:
-        flip[1, 1], flip[1, 2] = -1, height - 1
-    return flip @ matrix
-
-
 class _Recorder:
     """Replaces the pixel work of one dataset's transforms with records, in one process."""
 
@@ -125,6 +118,7 @@ class _Recorder:
         self.lut = np.zeros((3, 256), np.uint8)
         self.apply_hsv = False
         self.reverse = False
+        self.mirrors = {"horizontal": False, "vertical": False}
 
     def _warp(self, labels: dict, params: dict) -> dict:
         self.canvas = labels["img"]
@@ -146,7 +140,7 @@ class _Recorder:
 
     def _flip(self, labels: dict, params: dict) -> dict:
         if params["flip"]:
-            self.matrix = _mirror(self.matrix, params["direction"], *self.size)
+            self.mirrors[params["direction"]] ^= True
         return labels
 
     def _channel_order_of(self, format_img: Callable[[np.ndarray], torch.Tensor]
@@ -164,7 +158,8 @@ class _Recorder:
         height, width = canvas.shape[:2]
         left, top, right, bottom = source_region(self.matrix, self.size, height, width)
         labels["img"] = torch.from_numpy(canvas[top:bottom, left:right])  # a view: no copy
-        params = np.concatenate([self.matrix[:2].ravel(), [self.apply_hsv, self.reverse]])
+        flags = [self.apply_hsv, self.reverse, self.mirrors["horizontal"], self.mirrors["vertical"]]
+        params = np.concatenate([self.matrix[:2].ravel(), flags])
         labels[PARAMS_KEY] = torch.from_numpy(params)
         labels[LUT_KEY] = torch.from_numpy(self.lut)
         labels[REGION_KEY] = torch.tensor([bottom - top, right - left, left, top])
@@ -236,9 +231,17 @@ class PixelOps:
         regions, size = batch.pop(REGION_KEY), batch.pop(SIZE_KEY)
         # Nothing here reads device values back: the host only enqueues work on the stream.
         images = warp_regions(batch["img"], regions, params[:, :6].view(-1, 2, 3), size, BORDER)
-        images = hsv_lookup(images, luts, params[:, 6] > 0, self.truncate_hsv)
+        images = hsv_lookup(images, luts, params[:, HSV_FLAG] > 0, self.truncate_hsv)
+        images = _flipped_where(images, params[:, FLIP_LR_FLAG], 2)  # np.fliplr of H×W×C
+        images = _flipped_where(images, params[:, FLIP_UD_FLAG], 1)
         chw = images.permute(0, 3, 1, 2)
-        reverse = (params[:, 7] > 0).to(images.device).view(-1, 1, 1, 1)
-        batch["img"] = torch.where(reverse, chw.flip(1), chw).contiguous()
+        batch["img"] = _flipped_where(chw, params[:, REVERSE_FLAG], 1).contiguous()
         return batch
+
+
+def _flipped_where(images: torch.Tensor, flags: torch.Tensor, dim: int) -> torch.Tensor:
+    """Each image of the batch flipped along ``dim`` where its flag is set; selected on the
+    device, so that the host never waits for it."""
+    flagged = (flags > 0).to(images.device).view(-1, *([1] * (images.dim() - 1)))
+    return torch.where(flagged, images.flip(dim), images)
 
