@@ -142,8 +142,6 @@ FASTFEED_FMA_TARGET void warp(const uint8_t* src, int src_h, int src_w, int64_t 
     }
 }
 
-bool available() { return has_fma(); }
-
 // Pointers arrive as integers; fastfeed/ultralytics/warp.py checks shapes, dtypes and strides.
 void warp_axis_aligned(uintptr_t src, int src_h, int src_w, int64_t stride, uintptr_t dst,
                        int out_h, int out_w, double a, double b, double d, double e,
@@ -158,7 +156,7 @@ void warp_axis_aligned(uintptr_t src, int src_h, int src_w, int64_t stride, uint
 
 PYBIND11_MODULE(_warp, m) {
     m.doc() = "OpenCV's bilinear warpAffine for scale-and-translate matrices, separably.";
-    m.def("available", &available, "Whether this CPU runs the kernel at full speed (FMA).");
+    m.def("available", &has_fma, "Whether this CPU runs the kernel at full speed (FMA).");
     m.def("warp_axis_aligned", &warp_axis_aligned, py::arg("src"), py::arg("src_h"),
           py::arg("src_w"), py::arg("stride"), py::arg("dst"), py::arg("out_h"),
           py::arg("out_w"), py::arg("a"), py::arg("b"), py::arg("d"), py::arg("e"),

@@ -145,10 +145,12 @@ def warp_regions(
     return torch.round(_fma(fy, lower - upper, upper)).clamp(0, 255).to(torch.uint8)
 
 
-def _fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+def _fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | float) -> torch.Tensor:
     # a*b + c rounded once to float32, as OpenCV's v_fma: float64 holds the product of two
     # float32s exactly, and the sum too unless their magnitudes are far apart.
-    return (a.to(torch.float64) * b.to(torch.float64) + c.to(torch.float64)).to(torch.float32)
+    product = a.to(torch.float64) * b.to(torch.float64)
+    return (product + (c.to(torch.float64) if isinstance(c, torch.Tensor) else c)).to(
+        torch.float32)
 
 
 # The tables are made once per device: building a tensor from Python data on every batch would
@@ -183,12 +185,6 @@ def _sectors(device: torch.device) -> torch.Tensor:
     return torch.tensor(sectors, device=device)
 
 
-def _one_minus_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    # OpenCV's x86 build (AVX2) fuses 1 - a*b into one multiply-add, rounded once. float64
-    # holds the product of two float32s exactly, so one rounding to float32 follows it.
-    return (1 - a.to(torch.float64) * b.to(torch.float64)).to(torch.float32)
-
-
 def hsv_to_bgr(hsv: torch.Tensor, truncate: bool = True) -> torch.Tensor:
     """``cv2.cvtColor(hsv, cv2.COLOR_HSV2BGR)`` for uint8 ``…×3`` HSV with H in [0, 180).
 
@@ -201,8 +197,8 @@ def hsv_to_bgr(hsv: torch.Tensor, truncate: bool = True) -> torch.Tensor:
     sector = torch.floor(h)
     frac = h - sector
     sector = sector.to(torch.int64).clamp(0, 5)
-    tab = torch.stack([v, v * (1 - s), v * _one_minus_product(s, frac),
-                       v * _one_minus_product(s, 1 - frac)], -1)
+    # OpenCV's x86 build (AVX2) fuses each 1 - s*h into one multiply-add.
+    tab = torch.stack([v, v * (1 - s), v * _fma(-s, frac, 1.0), v * _fma(-s, 1 - frac, 1.0)], -1)
     order = _sectors(hsv.device)[sector]  # …×3 indices into tab
     bgr = torch.gather(tab, -1, order)
     bgr = torch.where((s == 0).unsqueeze(-1), v.unsqueeze(-1).expand_as(bgr), bgr)

@@ -57,6 +57,12 @@ def warp_axis_aligned(image: np.ndarray, matrix: np.ndarray, size: tuple[int, in
     reason = _unsupported(image, matrix, size)
     if reason:
         raise ValueError(f"warp_axis_aligned: {reason}")
+    return _run(image, matrix, size, border)
+
+
+def _run(image: np.ndarray, matrix: np.ndarray, size: tuple[int, int], border: int
+         ) -> np.ndarray:
+    """The kernel, on inputs :func:`_unsupported` accepted."""
     width, height = size
     out = np.empty((height, width, 3), np.uint8)
     m = np.asarray(matrix, np.float64)
@@ -112,7 +118,7 @@ def exact_warp(apply_image: ApplyImage) -> ApplyImage:
         img, matrix, size = labels["img"], params["M"], params["size"]
         if self.perspective or _unsupported(img, matrix, size) or not matches_opencv():
             return apply_image(self, labels, params)
-        labels["img"] = warp_axis_aligned(img, matrix, size)
+        labels["img"] = _run(img, matrix, size, BORDER)
         labels["resized_shape"] = labels["img"].shape[:2]
         return labels
 
