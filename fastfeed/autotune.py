@@ -1,15 +1,19 @@
 """``num_workers="auto"``: pick a starting worker count, then adjust it from measurements.
 
 The tuner is a hill climber over the worker count, fed one :class:`Window` of measurements
-every ``window`` batches. It adds a worker while the consumer waits for data and a core is
-idle, keeps it only if throughput rises by at least ``gain``, retires one while the consumer
-never waits, and undoes a retirement that made the consumer wait. A count found wanting
-becomes a bound for the rest of the tuner's life, so it settles instead of oscillating; after
-undoing a move it also holds still for ``cooldown`` windows. Bounds: at least 1 worker, at
-most what the memory budget allows and a cap of a few workers per core: more workers than
-cores pay when they wait on storage (a network file system, an object store), which shows as
-idle cores while the consumer waits. The decision logic takes numbers, not clocks, so it is
-unit-tested on simulated rates.
+every ``window`` batches. While the consumer waits for data it tries one more worker and keeps
+it only if throughput rises by at least ``gain``; it retires one while the consumer never
+waits, and undoes a retirement that made the consumer wait. A count found wanting becomes a
+bound for the rest of the tuner's life, so it settles instead of oscillating; after undoing a
+move it also holds still for ``cooldown`` windows. Bounds: at least 1 worker, at most what the
+memory budget allows and a cap of a few workers per core: more workers than cores pay when
+they wait on storage (a network file system, an object store).
+
+Idle cores do not gate the trial: a busy machine says nothing about whether the workers wait
+on storage (the per-batch work of the main process and the training step keep the cores busy
+while I/O-bound workers sleep), and the verdict on throughput does. On CPU-bound data the
+trial costs one window and the count that did not pay is never tried again. The decision logic
+takes numbers, not clocks, so it is unit-tested on simulated rates.
 """
 
 from __future__ import annotations
@@ -79,7 +83,7 @@ class Window:
 
     batches_per_s: float
     wait_fraction: float  # consumer's share of wall time spent waiting for data
-    idle_cores: float | None  # None: unknown, treated as "a core is free"
+    idle_cores: float | None = None  # for the log only: None where unknown
 
 
 class WorkerTuner:
@@ -93,35 +97,43 @@ class WorkerTuner:
         wait_low: wait fraction below which workers are surplus.
         gain: relative throughput gain an added worker must bring to stay.
         cooldown: windows to hold still after undoing a move.
+        settle: windows to skip after adding a worker before judging it: the first one
+            holds the new worker's start-up, before its first batch, and would undervalue it.
     """
 
     def __init__(self, start: int, maximum: int, minimum: int = 1, wait_high: float = 0.05,
-                 wait_low: float = 0.01, gain: float = 0.05, cooldown: int = 5) -> None:
+                 wait_low: float = 0.01, gain: float = 0.05, cooldown: int = 5,
+                 settle: int = 1) -> None:
         self.workers = max(minimum, min(start, maximum))
         self.minimum, self.maximum = minimum, maximum
         self.wait_high, self.wait_low = wait_high, wait_low
-        self.gain, self.cooldown = gain, cooldown
+        self.gain, self.cooldown, self.settle = gain, cooldown, settle
         self._last_move = 0  # +1 added, -1 retired, 0 none
         self._before: Window | None = None  # the window before the last move
         self._hold = 0
+        self._settling = 0  # windows still to skip before the verdict on an added worker
         self.log: list[str] = []
 
     def restart(self, workers: int) -> None:
         """A new iterator starts ``workers`` workers: keep the bounds learned so far, forget
         a move still waiting for its verdict (its windows were cut short)."""
         self.workers = max(self.minimum, min(workers, self.maximum))
-        self._last_move, self._before, self._hold = 0, None, 0
+        self._last_move, self._before, self._hold, self._settling = 0, None, 0, 0
 
     def observe(self, window: Window) -> int:
         """Feed one window; return the worker count to use from now on."""
         move, reason = self._decide(window)
         if move:
             self._before = window
+            self._settling = self.settle if move == +1 and self._last_move == +1 else 0
             self.workers += move
             self.log.append(f"{self.workers - move} -> {self.workers} workers: {reason}")
         return self.workers
 
     def _decide(self, w: Window) -> tuple[int, str]:
+        if self._settling:
+            self._settling -= 1
+            return 0, ""
         last, self._last_move = self._last_move, 0
         if last == +1 and self._before is not None:
             if w.batches_per_s < self._before.batches_per_s * (1 + self.gain):
@@ -140,10 +152,10 @@ class WorkerTuner:
         if self._hold:
             self._hold -= 1
             return 0, ""
-        free_core = w.idle_cores is None or w.idle_cores >= 0.5
-        if w.wait_fraction > self.wait_high and free_core and self.workers < self.maximum:
+        if w.wait_fraction > self.wait_high and self.workers < self.maximum:
             self._last_move = +1
-            return +1, f"consumer waits {100 * w.wait_fraction:.0f}% and a core is free"
+            idle = "" if w.idle_cores is None else f", {w.idle_cores:.1f} cores idle"
+            return +1, f"consumer waits {100 * w.wait_fraction:.0f}%{idle}: trying one more"
         if w.wait_fraction < self.wait_low and self.workers > self.minimum:
             self._last_move = -1
             return -1, f"consumer never waits ({100 * w.wait_fraction:.1f}%)"
