@@ -5,14 +5,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["GpuSample", "NvmlStatus", "nvml_status", "sample_gpus"]
+__all__ = ["GpuSample", "NvmlStatus", "nvml_handle", "nvml_status", "sample_gpu", "sample_gpus"]
 
 
 @dataclass(frozen=True)
 class GpuSample:
     """One reading of one GPU."""
 
-    index: int
+    index: int  # NVML's index: the machine's PCI order, not CUDA's numbering in this process
     name: str
     utilization: float  # percent of the last sample period the GPU was busy
     memory_used: int
@@ -36,24 +36,48 @@ def _init() -> str:
     return str(pynvml.nvmlSystemGetDriverVersion())
 
 
-def sample_gpus() -> list[GpuSample]:
-    """Read utilization and memory of every GPU. Requires a prior successful NVML init."""
+def nvml_handle(device: int | str) -> object:
+    """The NVML handle of ``device``: an NVML index, or a UUID or UUID prefix as
+    :func:`fastfeed.placement.nvml_device_for` returns them. Requires a prior NVML init.
+
+    Raises:
+        LookupError: no GPU has that UUID (or the prefix matches several).
+    """
     import pynvml
 
-    samples = []
+    if isinstance(device, int):
+        return pynvml.nvmlDeviceGetHandleByIndex(device)
+    # CUDA accepts unique UUID prefixes in CUDA_VISIBLE_DEVICES; NVML wants the whole UUID.
+    matches = []
     for index in range(pynvml.nvmlDeviceGetCount()):
         handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-        memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
-        samples.append(
-            GpuSample(
-                index=index,
-                name=str(pynvml.nvmlDeviceGetName(handle)),
-                utilization=float(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu),
-                memory_used=int(memory.used),
-                memory_total=int(memory.total),
-            )
-        )
-    return samples
+        if str(pynvml.nvmlDeviceGetUUID(handle)).startswith(device):
+            matches.append(handle)
+    if len(matches) != 1:
+        raise LookupError(f"{len(matches)} GPUs have a UUID starting with {device!r}")
+    return matches[0]
+
+
+def sample_gpu(handle: object) -> GpuSample:
+    """Read utilization and memory of one GPU, given its :func:`nvml_handle`."""
+    import pynvml
+
+    memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+    return GpuSample(
+        index=int(pynvml.nvmlDeviceGetIndex(handle)),
+        name=str(pynvml.nvmlDeviceGetName(handle)),
+        utilization=float(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu),
+        memory_used=int(memory.used),
+        memory_total=int(memory.total),
+    )
+
+
+def sample_gpus() -> list[GpuSample]:
+    """Read every GPU of the machine (``fastfeed info``). Requires a prior NVML init."""
+    import pynvml
+
+    return [sample_gpu(pynvml.nvmlDeviceGetHandleByIndex(index))
+            for index in range(pynvml.nvmlDeviceGetCount())]
 
 
 def nvml_status() -> NvmlStatus:

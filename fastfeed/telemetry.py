@@ -9,6 +9,7 @@ sampled twice a second while a CUDA loader is iterating, and fail soft with a re
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
 import time
@@ -18,7 +19,8 @@ from typing import Any
 
 import torch
 
-from fastfeed.nvml import GpuSample, nvml_status, sample_gpus
+from fastfeed.nvml import GpuSample, nvml_handle, nvml_status, sample_gpu
+from fastfeed.placement import nvml_device_for
 
 __all__ = ["GpuSampler", "LoaderStats", "Telemetry", "batch_length"]
 
@@ -43,7 +45,7 @@ class LoaderStats:
         worker_utilization: share of the workers' wall time spent fetching and collating.
         ring_slots_used, ring_slots, ring_mb: ring occupancy now.
         skipped_samples: samples dropped by an ``on_error="skip"`` policy.
-        gpu: NVML readings averaged over the run, one per GPU; empty when unavailable.
+        gpu: NVML readings of this loader's GPU averaged over the run; empty when unavailable.
         gpu_status: why ``gpu`` is empty, or ``"ok"``.
         decisions: the worker tuner's decisions, oldest first.
     """
@@ -109,15 +111,34 @@ class LoaderStats:
 
 
 class GpuSampler:
-    """Samples NVML on a daemon thread; averages readings until stopped."""
+    """Samples this process's GPU through NVML on a daemon thread; averages until stopped.
 
-    def __init__(self, interval: float = 0.5) -> None:
+    Only the GPU the loader feeds is read: under DDP every rank runs a sampler, and each one
+    reading every GPU of the node would multiply NVML queries by the rank count and report
+    other ranks' GPUs as this loader's.
+
+    Args:
+        cuda_index: the CUDA device (this process's numbering) the batches go to; ``None``:
+            torch's current device (``torch.cuda.set_device``), without initialising CUDA.
+        interval: seconds between readings.
+    """
+
+    def __init__(self, cuda_index: int | None = None, interval: float = 0.5) -> None:
         self.interval = interval
-        self._samples: list[list[GpuSample]] = []
+        self._samples: list[GpuSample] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._handle: object = None
         status = nvml_status()
         self.status = "ok" if status.available else status.reason
+        if status.available:
+            if cuda_index is None:
+                cuda_index = torch.cuda.current_device() if torch.cuda.is_initialized() else 0
+            try:
+                self._handle = nvml_handle(nvml_device_for(
+                    cuda_index, os.environ.get("CUDA_VISIBLE_DEVICES")))
+            except Exception as error:  # an unknown UUID, or NVML's own errors
+                self.status = f"{type(error).__name__}: {error}"
 
     def start(self) -> None:
         if self.status != "ok" or (self._thread is not None and self._thread.is_alive()):
@@ -132,20 +153,21 @@ class GpuSampler:
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
             try:
-                self._samples.append(sample_gpus())
+                self._samples.append(sample_gpu(self._handle))
             except Exception as error:  # NVML can fail mid-run (driver reset): stop quietly
                 self.status = f"{type(error).__name__}: {error}"
                 return
             del self._samples[:-600]  # the last five minutes at the default interval
 
     def average(self) -> list[GpuSample]:
-        rounds = list(self._samples)
-        if not rounds:
+        """The mean utilisation and peak memory so far: one entry, or none before a reading."""
+        readings = list(self._samples)
+        if not readings:
             return []
-        return [GpuSample(g.index, g.name,
-                          sum(r[i].utilization for r in rounds) / len(rounds),
-                          max(r[i].memory_used for r in rounds), g.memory_total)
-                for i, g in enumerate(rounds[-1])]
+        last = readings[-1]
+        return [GpuSample(last.index, last.name,
+                          sum(r.utilization for r in readings) / len(readings),
+                          max(r.memory_used for r in readings), last.memory_total)]
 
 
 def batch_length(batch: Any, auto_collation: bool) -> int:
