@@ -1,11 +1,14 @@
 """``fastfeed bench``: runs end to end, and bad input is one line, never a traceback."""
 
+import io
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from fastfeed.progress import progress
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -24,6 +27,8 @@ def test_synthetic_run_writes_table_json_and_chart(tmp_path):
     assert {(r["config"], r["workers"]) for r in results} == {
         ("stock", "0"), ("fastfeed", "0"), ("stock", "2"), ("fastfeed", "2")}
     assert all(0 <= r["stall_pct"] <= 100 and r["samples_per_s"] > 0 for r in results)
+    assert "\r" not in out.stderr  # not a terminal: whole progress lines, as in a log file
+    assert out.stderr.splitlines()[-1] == "fastfeed bench 4/4"
     pytest.importorskip("matplotlib")
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -69,3 +74,26 @@ def test_stall_is_shown_only_beside_a_training_step(tmp_path):
     out = bench(*common, "--step-ms", "1", "--out", str(tmp_path / "b"))
     assert out.returncode == 0, out.stderr
     assert "stall %" in out.stdout
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+@pytest.mark.parametrize("total", [25, None])
+def test_progress_writes_whole_lines_when_not_a_terminal(total, capsys):
+    assert list(progress(range(25), total=total, desc="runs")) == list(range(25))
+    err = capsys.readouterr().err
+    assert "\r" not in err
+    lines = err.splitlines()
+    assert lines[-1] == ("runs 25/25" if total else "runs 25")
+    assert all(line.startswith("runs ") for line in lines)
+    assert len(lines) <= 10 if total else len(lines) == 25
+
+
+def test_progress_redraws_one_line_on_a_terminal(monkeypatch):
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    assert list(progress(range(5), total=5, desc="runs")) == list(range(5))
+    assert "\r" in terminal.getvalue()
