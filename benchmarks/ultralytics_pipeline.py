@@ -181,13 +181,14 @@ def profile_samples(root: Path, imgsz: int, samples: int = 200) -> str:
                                      str(root / "images"), 16, data, mode="train")
         if defer:
             defer_pixel_ops(dataset)
+        # Indices wrap: a small --images set still gives the 20 warm-up and ``samples`` timed.
         for i in range(20):  # fill the mosaic buffer
-            dataset[i]
+            dataset[i % len(dataset)]
         profiler = cProfile.Profile()
         start = time.perf_counter()
         profiler.enable()
         for i in range(20, 20 + samples):
-            dataset[i]
+            dataset[i % len(dataset)]
         profiler.disable()
         per_sample = (time.perf_counter() - start) / samples * 1e3
         stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]

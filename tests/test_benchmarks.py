@@ -1,9 +1,12 @@
 """The benchmark scripts run (tiny settings, CPU): figures come from them, so they must work."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,3 +48,15 @@ def test_autotune_io_rows(tmp_path):
     out = run("autotune.py", "--kinds", "io", "--batches", "12", "--measure", "4",
               "--repeats", "1", "--json", str(tmp_path / "a.json"))
     assert "| io |" in out and "first epoch of 10 batches" in out
+
+
+@pytest.mark.clients
+def test_ultralytics_profile_on_fewer_images_than_it_profiles(tmp_path):
+    # 24 images, while the profile indexes 220 samples: indices must wrap, not raise IndexError.
+    pytest.importorskip("ultralytics")
+    env = dict(os.environ, FASTFEED_CACHE=str(tmp_path))
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ultralytics_pipeline.py"),
+                          "--profile", "--images", "24", "--widths", "160,200", "--imgsz", "64"],
+                         capture_output=True, text=True, timeout=600, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "stock:" in out.stdout and "imdecode ms per image" in out.stdout
