@@ -11,7 +11,8 @@ from fastfeed.vision.synthetic import make_imagefolder
 pytest.importorskip("nvidia.dali",
                     reason="NVIDIA DALI is not installed (pip install 'fastfeed[dali]')")
 
-from fastfeed.vision.dali import DaliLoader
+from fastfeed.vision import dali
+from fastfeed.vision.dali import DaliLoader, epoch_batches
 
 
 @pytest.fixture(scope="module")
@@ -49,3 +50,90 @@ def test_image_loader_picks_dali(folder):
     loader = image_loader(folder, batch_size=8, size=32, backend="dali")
     images, targets = next(iter(loader))
     assert images.shape == (8, 3, 32, 32) and targets.dtype == torch.int64
+
+
+def as_rank(monkeypatch, rank, world):
+    """What DaliLoader sees in rank ``rank`` of an initialised torch.distributed job."""
+    monkeypatch.setattr(dali.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dali.dist, "get_rank", lambda: rank)
+    monkeypatch.setattr(dali.dist, "get_world_size", lambda: world)
+
+
+@pytest.fixture(scope="module")
+def numbered(tmp_path_factory):
+    """13 images, each its own class: a target names its sample."""
+    return make_imagefolder(tmp_path_factory.mktemp("dali13"), images=13, classes=13)
+
+
+@pytest.mark.parametrize("world, batch_size, drop_last", [
+    (3, 3, False), (3, 4, False), (4, 3, False), (4, 4, False), (3, 4, True), (2, 3, True)])
+def test_every_rank_yields_len_batches_and_together_every_sample(numbered, monkeypatch, world,
+                                                                  batch_size, drop_last):
+    """DDP needs the same number of batches in every rank, every epoch (else a collective
+    waits forever): checked against DALI's own sharding, over epochs in which the ranks move
+    to other shards of different sizes."""
+    epochs = []  # per rank: per epoch, the batches' targets
+    for rank in range(world):
+        as_rank(monkeypatch, rank, world)
+        loader = DaliLoader(numbered, batch_size=batch_size, size=16, drop_last=drop_last,
+                            num_threads=1)
+        assert len(loader) == epoch_batches(13, world, batch_size, drop_last)[0]
+        epochs.append([[targets.tolist() for _, targets in loader] for _ in range(3)])
+        assert all(len(epoch) == len(loader) for epoch in epochs[-1]), epochs[-1]
+    for epoch in range(3):
+        sizes = {tuple(len(b) for b in ranks[epoch]) for ranks in epochs}
+        assert len(sizes) == 1, sizes  # the same batch sizes in every rank
+        seen = [t for ranks in epochs for batch in ranks[epoch] for t in batch]
+        if not drop_last:  # every sample, a few of them twice (as DistributedSampler pads)
+            assert set(seen) == set(range(13)) and len(seen) == world * -(-13 // world)
+
+
+def test_ranks_draw_different_seeds(numbered, monkeypatch):
+    seeds = set()
+    for rank in range(3):
+        as_rank(monkeypatch, rank, 3)
+        seeds.add(DaliLoader(numbered, batch_size=4, size=16, seed=7)._pipeline.seed)
+    assert len(seeds) == 3
+
+
+def test_too_few_images_for_one_batch_is_a_clear_error(numbered):
+    with pytest.raises(ValueError, match="fill no batch of 8"):
+        DaliLoader(numbered, batch_size=8, size=16, drop_last=True, rank=0, world_size=2)
+
+
+def test_targets_are_on_the_images_device():
+    """On a GPU the labels leave the pipeline on the GPU too (checked on DALI's graph, which
+    builds without one)."""
+    from nvidia.dali import Pipeline
+
+    with Pipeline(batch_size=2, num_threads=1, device_id=None):
+        images, labels = dali._graph(["a.jpg"], [0], (0, 1), 16, True, on_gpu=True)
+    assert images.device == labels.device == "gpu"
+    with Pipeline(batch_size=2, num_threads=1, device_id=None):
+        images, labels = dali._graph(["a.jpg"], [0], (0, 1), 16, False, on_gpu=False)
+    assert images.device == labels.device == "cpu"
+
+
+def test_bare_cuda_decodes_on_this_ranks_gpu(folder, monkeypatch):
+    """A bare "cuda" in rank LOCAL_RANK of a node whose GPUs all are visible: that rank's GPU,
+    not GPU 0 in every rank (the pipeline is recorded, not built: no GPU here)."""
+    import nvidia.dali
+    import nvidia.dali.plugin.pytorch
+
+    for name, value in (("is_available", True), ("device_count", 2), ("current_device", 0),
+                        ("is_initialized", True)):
+        monkeypatch.setattr(torch.cuda, name, lambda value=value: value)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    built = {}
+
+    def record_pipeline(function):
+        def make(**kwargs):
+            built.update(kwargs)
+            return type("Recorded", (), {"build": lambda self: None})()
+        return make
+
+    monkeypatch.setattr(nvidia.dali, "pipeline_def", record_pipeline)
+    monkeypatch.setattr(nvidia.dali.plugin.pytorch, "DALIGenericIterator",
+                        lambda *args, **kwargs: None)
+    loader = DaliLoader(folder, batch_size=8, device="cuda")
+    assert built["device_id"] == 1 and loader.device == torch.device("cuda", 1)

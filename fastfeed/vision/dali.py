@@ -2,8 +2,11 @@
 
 DALI reads the files, decodes (``device="mixed"``: nvJPEG on the GPU; on a machine without a
 GPU, DALI's CPU-only mode), random-resized-crops, flips and lays out uint8 ``N×3×S×S`` batches,
-the same structure as the ``"cpu"`` backend. Shards come from the rank and world size of
-``torch.distributed`` when it is initialised. Install with ``pip install 'fastfeed[dali]'``.
+the same structure as the ``"cpu"`` backend, with the targets on the images' device. Shards
+come from the rank and world size of ``torch.distributed`` when it is initialised; every rank
+yields the same number of batches (:func:`epoch_batches`), as DistributedSampler's ranks do, so
+that DDP's collectives never wait on a rank that has finished its epoch. Install with
+``pip install 'fastfeed[dali]'``.
 """
 
 from __future__ import annotations
@@ -13,12 +16,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
+from fastfeed.device import resolve_device
 from fastfeed.vision.folder import ImageFolder
 
-__all__ = ["DaliLoader", "dali_available"]
+__all__ = ["DaliLoader", "dali_available", "epoch_batches", "rank_seed"]
 
 
 def dali_available() -> bool:
@@ -30,6 +35,65 @@ def dali_available() -> bool:
     return True
 
 
+def epoch_batches(samples: int, world_size: int, batch_size: int, drop_last: bool
+                  ) -> tuple[int, int]:
+    """Batches per epoch in every rank, and the size of the last one, for DALI's sharding.
+
+    DALI's reader splits ``samples`` into ``world_size`` contiguous shards of
+    ``floor(samples / world_size)`` or one more, and moves every rank to the next shard each
+    epoch. With ``pad_last_batch=True`` it pads each shard with copies of its last sample to
+    whole batches of the largest shard, so every rank runs the same number of iterations:
+
+    - ``drop_last``: as many whole batches as the smallest shard fills;
+    - else: as many as the largest shard needs, the last one cut to where the largest shard
+      ends. A smaller shard's last batch then ends with one copy of its last sample, as
+      DistributedSampler repeats samples to give every rank as many.
+
+    Returns:
+        ``(batches, last_batch_size)``; ``(0, 0)`` when there are none.
+    """
+    smallest, largest = samples // world_size, -(-samples // world_size)
+    if drop_last:
+        batches = smallest // batch_size
+        return batches, batch_size if batches else 0
+    batches = math.ceil(largest / batch_size)
+    return batches, largest - (batches - 1) * batch_size if batches else 0
+
+
+def rank_seed(seed: int, rank: int) -> int:
+    """DALI's seed for ``rank``: distinct per rank, so that ranks draw different crops and flips
+    and shuffle their shards differently; a pure function of ``(seed, rank)``, for restarts."""
+    return int(np.random.SeedSequence([seed, rank]).generate_state(1)[0] & 0x7FFFFFFF)
+
+
+def _graph(files: list[str], targets: list[int], shard: tuple[int, int], size: int, train: bool,
+           on_gpu: bool) -> tuple:
+    """DALI's operators, inside a pipeline: ``(images, labels)`` of shard ``(rank, world)``,
+    both on the GPU when decoding there (else the loss would meet GPU images with CPU
+    targets)."""
+    from nvidia.dali import fn, types
+
+    decoder = "mixed" if on_gpu else "cpu"
+    jpegs, labels = fn.readers.file(
+        files=files, labels=targets, random_shuffle=train, shard_id=shard[0],
+        num_shards=shard[1], pad_last_batch=True, name="reader")
+    if train:
+        images = fn.decoders.image_random_crop(
+            jpegs, device=decoder, output_type=types.RGB,
+            random_area=[0.08, 1.0], random_aspect_ratio=[3 / 4, 4 / 3])
+        images = fn.resize(images, resize_x=size, resize_y=size,
+                           interp_type=types.INTERP_LINEAR, antialias=True)
+        mirror = fn.random.coin_flip(probability=0.5)
+    else:
+        images = fn.decoders.image(jpegs, device=decoder, output_type=types.RGB)
+        images = fn.resize(images, resize_shorter=round(size / 0.875),
+                           interp_type=types.INTERP_LINEAR, antialias=True)
+        mirror = 0
+    images = fn.crop_mirror_normalize(images, dtype=types.UINT8, output_layout="CHW",
+                                       crop=(size, size), mirror=mirror)
+    return images, labels.gpu() if on_gpu else labels
+
+
 class DaliLoader:
     """Iterate an ImageFolder through DALI: ``(uint8 N×3×size×size, int64 targets)``.
 
@@ -39,68 +103,63 @@ class DaliLoader:
         size: output side.
         train: random-resized crop (scale 0.08–1, ratio 3/4–4/3), flip and shuffling; else the
             central 87.5 % crop in file order.
-        device: ``"cuda[:N]"`` decodes on that GPU; ``None``/``"cpu"`` runs DALI's CPU-only mode.
+        device: ``"cuda[:N]"`` decodes on that GPU (a bare ``"cuda"``: this process's GPU, as
+            :class:`~fastfeed.FastLoader` resolves it); ``None``/``"cpu"`` runs DALI's
+            CPU-only mode.
         num_threads: DALI CPU threads.
         drop_last: drop the last partial batch (else it is returned short, as torch does).
-        seed: DALI's random seed.
+        seed: the base of DALI's random seed (each rank draws from its own, :func:`rank_seed`).
+        rank, world_size: this process's shard; default: ``torch.distributed``'s, else one.
     """
 
     def __init__(self, root: str | Path, batch_size: int, *, size: int = 224, train: bool = True,
                  device: Any = None, num_threads: int = 2, drop_last: bool = False,
-                 seed: int = 0) -> None:
-        from nvidia.dali import fn, pipeline_def, types
+                 seed: int = 0, rank: int | None = None, world_size: int | None = None) -> None:
+        from nvidia.dali import pipeline_def
         from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 
         folder = ImageFolder(root, size, train)
         files = [path for path, _ in folder.samples]
-        rank, world = (dist.get_rank(), dist.get_world_size()) if (
-            dist.is_available() and dist.is_initialized()) else (0, 1)
-        on_gpu = device is not None and torch.device(device).type == "cuda"
-        device_id = (torch.device(device).index or 0) if on_gpu else None
-        decoder = "mixed" if on_gpu else "cpu"
+        distributed = dist.is_available() and dist.is_initialized()
+        rank = rank if rank is not None else dist.get_rank() if distributed else 0
+        world_size = (world_size if world_size is not None
+                      else dist.get_world_size() if distributed else 1)
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in a world of {world_size}")
+        self.device = resolve_device(device) if device is not None else torch.device("cpu")
+        on_gpu = self.device.type == "cuda"
         self.batch_size, self.drop_last, self.train = batch_size, drop_last, train
-        self.shard_size = len(range(rank, len(files), world))
-        self.device = torch.device(device) if on_gpu else torch.device("cpu")
         self.classes, self.class_to_idx = folder.classes, folder.class_to_idx
+        self._batches, self._last_size = epoch_batches(len(files), world_size, batch_size,
+                                                       drop_last)
+        if self._batches == 0:  # DALI would fail later, with a less direct message
+            raise ValueError(f"{len(files)} images in {world_size} shard(s) fill no batch of "
+                             f"{batch_size}{' (drop_last=True)' if drop_last else ''}")
 
         @pipeline_def
         def pipeline():
-            jpegs, labels = fn.readers.file(
-                files=files, labels=folder.targets, random_shuffle=train, shard_id=rank,
-                num_shards=world, name="reader")
-            if train:
-                images = fn.decoders.image_random_crop(
-                    jpegs, device=decoder, output_type=types.RGB,
-                    random_area=[0.08, 1.0], random_aspect_ratio=[3 / 4, 4 / 3])
-                images = fn.resize(images, resize_x=size, resize_y=size,
-                                   interp_type=types.INTERP_LINEAR, antialias=True)
-                mirror = fn.random.coin_flip(probability=0.5)
-            else:
-                images = fn.decoders.image(jpegs, device=decoder, output_type=types.RGB)
-                images = fn.resize(images, resize_shorter=round(size / 0.875),
-                                   interp_type=types.INTERP_LINEAR, antialias=True)
-                mirror = 0
-            images = fn.crop_mirror_normalize(images, dtype=types.UINT8, output_layout="CHW",
-                                               crop=(size, size), mirror=mirror)
-            return images, labels
+            return _graph(files, folder.targets, (rank, world_size), size, train, on_gpu)
 
         self._pipeline = pipeline(batch_size=batch_size, num_threads=num_threads,
-                                  device_id=device_id, seed=seed)
+                                  device_id=self.device.index if on_gpu else None,
+                                  seed=rank_seed(seed, rank))
         self._pipeline.build()
-        policy = LastBatchPolicy.DROP if drop_last else LastBatchPolicy.PARTIAL
+        # FILL on padded shards: every batch whole, the padding cut off in __iter__.
+        policy = LastBatchPolicy.DROP if drop_last else LastBatchPolicy.FILL
         self._iterator = DALIGenericIterator([self._pipeline], ["img", "label"],
                                              reader_name="reader", last_batch_policy=policy,
                                              auto_reset=True)
 
     def __len__(self) -> int:
-        if self.drop_last:
-            return self.shard_size // self.batch_size
-        return math.ceil(self.shard_size / self.batch_size)
+        return self._batches
 
     def set_epoch(self, epoch: int) -> None:
         """Accepted for DistributedSampler-style loops; DALI's reader reshuffles every epoch."""
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        for outputs in self._iterator:
+        for step, outputs in enumerate(self._iterator):
             batch = outputs[0]
-            yield batch["img"], batch["label"].view(-1).long()
+            images, labels = batch["img"], batch["label"].view(-1).long()
+            if step == self._batches - 1:
+                images, labels = images[:self._last_size], labels[:self._last_size]
+            yield images, labels
