@@ -1,19 +1,23 @@
-"""The batch pixel ops behind ``augment_device``, without OpenCV: exact cases, and the device
-against the CPU. (Their comparison with OpenCV runs in the client environment:
-``test_ultralytics.py``.)"""
+"""The batch pixel ops behind ``augment_device``, without OpenCV: exact cases, the float32-only
+arithmetic GPUs use against the float64 CPU reference (on the CPU), and the device against the
+CPU. (Their comparison with OpenCV runs in the client environment: ``test_ultralytics.py``.)"""
 
 import numpy as np
 import pytest
 import torch
 
+from fastfeed.ultralytics import pixel_ops
 from fastfeed.ultralytics.pixel_ops import (
     bgr_to_hsv,
+    fma_float32,
     hsv_lookup,
     hsv_to_bgr,
     source_region,
     warp_affine,
     warp_regions,
 )
+
+REFERENCE_FMA = pixel_ops._fma  # float64 on the CPU
 
 
 def random_images(batch=3, height=48, width=64, seed=0):
@@ -130,10 +134,8 @@ def test_device_matches_cpu():
         return warped.cpu(), hsv_lookup(warped, luts.to(device), apply.to(device)).cpu()
 
     (warp_cpu, out_cpu), (warp_gpu, out_gpu) = run("cpu"), run("cuda")
-    # float32 on either side; fused multiply-adds may round a handful of values differently
-    for cpu, gpu in ((warp_cpu, warp_gpu), (out_cpu, out_gpu)):
-        diff = (cpu.int() - gpu.int()).abs()
-        assert (diff > 0).float().mean() < 0.001 and diff.max() <= 16
+    # float64 multiply-adds on the CPU, float32-only ones on the GPU: the same bytes
+    assert torch.equal(warp_cpu, warp_gpu) and torch.equal(out_cpu, out_gpu)
 
 
 @pytest.mark.gpu
@@ -165,3 +167,119 @@ def test_pixel_ops_never_wait_for_the_device():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert out["img"].shape == (2, 3, 64, 64) and out["img"].is_cuda
+
+
+def realistic_floats(count, seed):
+    """float32 values across the magnitudes the ops meet (2**-20 to 2**12), both signs."""
+    g = torch.Generator().manual_seed(seed)
+    mantissa = torch.rand(count, generator=g) * 2 - 1
+    return mantissa * torch.pow(2.0, torch.randint(-20, 12, (count,), generator=g).float())
+
+
+def test_fma_float32_rounds_the_exact_sum_once():
+    from fractions import Fraction
+
+    a, b, c = (realistic_floats(3000, seed) for seed in range(3))
+    got = fma_float32(a, b, c)
+    for x, y, z, result in zip(a.tolist(), b.tolist(), c.tolist(), got.tolist(), strict=True):
+        exact = Fraction(x) * Fraction(y) + Fraction(z)
+        below = np.nextafter(np.float32(result), np.float32(-np.inf))
+        above = np.nextafter(np.float32(result), np.float32(np.inf))
+        error = abs(Fraction(result) - exact)
+        assert error <= abs(Fraction(float(below)) - exact), (x, y, z)
+        assert error <= abs(Fraction(float(above)) - exact), (x, y, z)
+
+
+def test_fma_float32_equals_the_float64_reference():
+    a, b, c = (realistic_floats(1_000_000, seed) for seed in range(3, 6))
+    assert torch.equal(fma_float32(a, b, c), pixel_ops._fma(a, b, c))
+
+
+def test_where_float64_rounds_twice_fma_float32_is_the_true_fma():
+    # 8390624 * 16773185 == 2**47 + 262112: the product is 2 plus 2**-46 * 262112; with 2**25
+    # the exact sum lies just above a float32 midpoint, and float64 rounds it onto it.
+    a = torch.tensor([8390624 * 2.0**-23])
+    b = torch.tensor([16773185 * 2.0**-23])
+    c = torch.tensor([2.0**25])
+    assert fma_float32(a, b, c).item() == 2.0**25 + 4  # nearest to 2**25 + 2 + 3.7e-9
+    assert pixel_ops._fma(a, b, c).item() == 2.0**25  # double rounding, then ties to even
+
+
+@pytest.fixture
+def float32_arithmetic(monkeypatch):
+    """The ops on the CPU with the float32-only multiply-add that GPUs use, every call of it
+    checked against the float64 reference; yields how many values were checked."""
+    checked = []
+
+    def checked_fma(a, b, c):
+        got = fma_float32(a, b, c)
+        assert torch.equal(got, REFERENCE_FMA(a, b, c))
+        checked.append(got.numel())
+        return got
+
+    monkeypatch.setattr(pixel_ops, "_fma", checked_fma)
+    yield checked
+
+
+def test_hsv_to_bgr_with_float32_arithmetic_equals_the_reference_for_every_input(
+        float32_arithmetic):
+    # The multiply-adds see only hue and saturation: every pair, at a few values.
+    h, s = torch.meshgrid(torch.arange(180), torch.arange(256), indexing="ij")
+    v = torch.tensor([1, 77, 128, 255]).view(-1, 1, 1).expand(4, 180, 256)
+    hsv = torch.stack([h.expand(4, -1, -1), s.expand(4, -1, -1), v], -1).to(torch.uint8)
+    for truncate in (True, False):
+        hsv_to_bgr(hsv, truncate)
+    assert sum(float32_arithmetic) == 2 * 2 * hsv[..., 0].numel()
+
+
+def test_warps_with_float32_arithmetic_equal_the_reference(float32_arithmetic):
+    images = random_images(16, 160, 200, seed=5)
+    matrices = random_matrices(16, 180, 96, seed=6)
+    # exact quarter turns give coefficients of about 1e-8 beside ones
+    quarter = np.array([[np.cos(np.pi / 2), -1.0, 150.0], [1.0, np.cos(np.pi / 2), -20.0],
+                        [0, 0, 1]])
+    matrices[:2] = quarter
+    forward = torch.from_numpy(matrices[:, :2])
+    warp_affine(images, forward, (96, 96))
+    pixels, regions = pack(images, matrices, (96, 96))
+    warp_regions(pixels, regions, forward, (96, 96))
+    assert len(float32_arithmetic) == 2 * 5
+
+
+def test_pixel_ops_off_the_cpu_take_no_float64_per_pixel():
+    """Traced on the meta device (shapes only, like a GPU it is not the CPU): no float64
+    tensor larger than the per-image parameters."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fastfeed.ultralytics.gpu_augment import (
+        LUT_KEY,
+        PARAM_COLUMNS,
+        PARAMS_KEY,
+        REGION_KEY,
+        SIZE_KEY,
+        PixelOps,
+    )
+
+    batch, side = 4, 64
+
+    class Float64Sizes(TorchDispatchMode):
+        sizes: list[int] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for tensor in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(tensor, torch.Tensor) and tensor.dtype == torch.float64:
+                    self.sizes.append(tensor.numel())
+            return out
+
+    regions = torch.tensor([[i * side * side, side, side, 0, 0] for i in range(batch)])
+    params = torch.zeros(batch, PARAM_COLUMNS, dtype=torch.float64)
+    params[:, 0] = params[:, 4] = params[:, 6] = 1
+    data = {"img": torch.zeros(batch * side * side, 3, dtype=torch.uint8), REGION_KEY: regions,
+            PARAMS_KEY: params, LUT_KEY: torch.zeros(batch, 3, 256, dtype=torch.uint8),
+            SIZE_KEY: (side, side)}
+    data = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in data.items()}
+    with Float64Sizes() as trace:
+        out = PixelOps(truncate_hsv=True)(data)
+    assert out["img"].shape == (batch, 3, side, side)
+    assert max(trace.sizes, default=0) <= batch * PARAM_COLUMNS, trace.sizes

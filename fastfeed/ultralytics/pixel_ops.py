@@ -12,8 +12,10 @@ the source (releases that quantise coordinates to 1/32 pixel differ by a grey le
 sharp edges). BGR→HSV is OpenCV's integer conversion, and HSV→BGR its float one, which OpenCV 5
 truncates to uint8 and OpenCV 4 rounds. Against OpenCV 5 on the same parameters, on the CPU,
 all three are bit-identical (``tests/test_ultralytics.py``). A fused multiply-add is computed
-in float64 and rounded once to float32. Parameters are drawn elsewhere, by Ultralytics' own
-code; these functions only apply them.
+in float64 and rounded once to float32 on the CPU; on a GPU, from float32 operations alone, to
+the same result (``tests/test_pixel_ops.py`` checks both on the CPU): no per-pixel step uses
+float64 there. Parameters are drawn elsewhere, by Ultralytics' own code; these functions only
+apply them.
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ from functools import cache
 import numpy as np
 import torch
 
-__all__ = ["bgr_to_hsv", "hsv_lookup", "hsv_to_bgr", "source_region", "warp_affine",
-           "warp_regions"]
+__all__ = ["bgr_to_hsv", "fma_float32", "hsv_lookup", "hsv_to_bgr", "source_region",
+           "warp_affine", "warp_regions"]
 
 _HSV_SHIFT = 12  # OpenCV's hsv_shift
 _MARGIN = 2  # pixels around a region's bilinear neighbours (see source_region)
@@ -146,20 +148,78 @@ def warp_regions(
 
 
 def _fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | float) -> torch.Tensor:
-    # a*b + c rounded once to float32, as OpenCV's v_fma: float64 holds the product of two
-    # float32s exactly, and the sum too unless their magnitudes are far apart.
-    product = a.to(torch.float64) * b.to(torch.float64)
-    return (product + (c.to(torch.float64) if isinstance(c, torch.Tensor) else c)).to(
-        torch.float32)
+    """``a*b + c`` rounded once to float32, as OpenCV's ``v_fma``.
+
+    On the CPU, in float64 (the reference): float64 holds the product of two float32s exactly,
+    and the sum too unless their magnitudes are far apart. On a GPU, float64 runs at 1/32 to
+    1/64 of float32's rate on consumer cards and would take full-size temporaries twice as
+    large, so there the same result comes from float32 arithmetic alone (:func:`fma_float32`).
+    """
+    if a.device.type == "cpu":
+        product = a.to(torch.float64) * b.to(torch.float64)
+        return (product + (c.to(torch.float64) if isinstance(c, torch.Tensor) else c)).to(
+            torch.float32)
+    return fma_float32(a, b, c)
+
+
+def _split(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # Veltkamp: a == high + low exactly, each with at most 12 of float32's 24 significant bits,
+    # so that products of halves are exact.
+    scaled = a * 4097.0  # 2**12 + 1
+    high = scaled - (scaled - a)
+    return high, a - high
+
+
+def _two_sum(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # Knuth: a + b == total + error exactly.
+    total = a + b
+    b_part = total - a
+    return total, (a - (total - b_part)) + (b - b_part)
+
+
+def _round_to_odd_sum(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    # a + b rounded to the neighbour with an odd last bit where it is not exact: a second
+    # rounding to nearest of a value rounded to odd then equals one rounding of the exact one.
+    total, error = _two_sum(a, b)
+    even = (total.view(torch.int32) & 1) == 0
+    away = torch.nextafter(total, torch.where(error > 0, torch.inf, -torch.inf).to(total))
+    return torch.where((error != 0) & even, away, total)
+
+
+def fma_float32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | float) -> torch.Tensor:
+    """``a*b + c`` rounded once to float32, computed with float32 operations only.
+
+    Boldo and Melquiond's emulation (2008): the exact product as ``p + e`` (Veltkamp and
+    Dekker), ``c + p`` as ``s + t`` (TwoSum), then ``s + RO(t + e)`` with ``RO`` rounding to
+    odd. Exact for float32 inputs without overflow whose products are not subnormal. Each
+    elementwise op is its own kernel in eager PyTorch, so no compiler fuses (and so changes)
+    the roundings it relies on.
+
+    The float64 reference of :func:`_fma` rounds twice (to float64, then float32); the two
+    differ only where the exact sum needs more than float64's 53 bits and its float64
+    rounding lands exactly half-way between two float32s.
+    """
+    a, b = a.to(torch.float32), b.to(torch.float32)
+    c = torch.as_tensor(c, dtype=torch.float32, device=a.device)
+    product = a * b
+    a_high, a_low = _split(a)
+    b_high, b_low = _split(b)
+    product_error = ((a_high * b_high - product) + a_high * b_low + a_low * b_high) + a_low * b_low
+    high, low = _two_sum(c, product)
+    return high + _round_to_odd_sum(low, product_error)
 
 
 # The tables are made once per device: building a tensor from Python data on every batch would
 # make the host wait for the device's copy stream.
 @cache
 def _division_table(numerator: int, device: torch.device) -> torch.Tensor:
-    # OpenCV's sdiv_table / hdiv_table180: round(numerator / i), 0 for i = 0
-    i = torch.arange(256, dtype=torch.float64, device=device)
-    table = torch.where(i > 0, torch.round(numerator / i.clamp(min=1)), torch.zeros_like(i))
+    # OpenCV's sdiv_table / hdiv_table180: numerator / i rounded half to even (cvRound), 0 for
+    # i = 0; in integers, exactly.
+    i = torch.arange(256, dtype=torch.int64, device=device).clamp(min=1)
+    quotient, remainder = numerator // i, numerator % i
+    up = (2 * remainder > i) | ((2 * remainder == i) & (quotient % 2 == 1))
+    table = torch.where(up, quotient + 1, quotient)
+    table[0] = 0
     return table.to(torch.int32)
 
 
