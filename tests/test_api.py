@@ -5,8 +5,8 @@ import warnings
 
 import pytest
 import torch
-from datasets import ShardedIterable, TensorDataset
 from helpers import assert_same
+from sample_datasets import ShardedIterable, TensorDataset
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
 from fastfeed import FastLoader

@@ -44,7 +44,7 @@ def test_image_folder_and_module_sources(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "classify folder" in out.stdout
     env = dict(os.environ, PYTHONPATH=str(ROOT / "tests"))
-    out = bench("--data", "datasets:TensorDataset", "--workers", "0", "--batches", "2",
+    out = bench("--data", "sample_datasets:TensorDataset", "--workers", "0", "--batches", "2",
                 "--repeats", "1", "--batch-size", "4", "--out", str(tmp_path / "b"), env=env)
     assert out.returncode == 0, out.stderr
 

@@ -4,8 +4,8 @@ import gc
 
 import pytest
 import torch
-from datasets import DetectionDataset, MixedDataset, TensorDataset, detection_collate
 from helpers import assert_same, compare
+from sample_datasets import DetectionDataset, MixedDataset, TensorDataset, detection_collate
 from torch.utils.data import DataLoader
 
 from fastfeed import FastLoader

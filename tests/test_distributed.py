@@ -4,8 +4,8 @@ import json
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from datasets import TensorDataset
 from helpers import assert_same
+from sample_datasets import TensorDataset
 from torch.utils.data import DataLoader, DistributedSampler
 
 from fastfeed import FastLoader

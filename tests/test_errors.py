@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from datasets import (
+from procs import alive, assert_no_leaks, child_pids, snapshot, wait_until
+from sample_datasets import (
     FailingDataset,
     SlowDataset,
     SuicideDataset,
@@ -18,7 +19,6 @@ from datasets import (
     failing_collate,
     failing_worker_init,
 )
-from procs import alive, assert_no_leaks, child_pids, snapshot, wait_until
 from torch.utils.data import DataLoader
 
 from fastfeed import FastLoader

@@ -5,8 +5,8 @@ import threading
 import time
 
 import pytest
-from datasets import SlowDataset, TensorDataset
 from procs import assert_no_leaks, child_pids, rss_kb, snapshot
+from sample_datasets import SlowDataset, TensorDataset
 
 from fastfeed import FastLoader
 

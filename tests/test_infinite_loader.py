@@ -6,9 +6,9 @@ environment); here the same contract is checked against torch's DataLoader.
 
 import pytest
 import torch
-from datasets import RandomAugmentDataset
 from helpers import assert_same
 from procs import assert_no_leaks, snapshot
+from sample_datasets import RandomAugmentDataset
 from torch.utils.data import DataLoader
 
 from fastfeed.ultralytics import InfiniteFastLoader

@@ -4,7 +4,8 @@ import logging
 
 import pytest
 import torch
-from datasets import (
+from helpers import assert_same, compare
+from sample_datasets import (
     DetectionDataset,
     FailingDataset,
     GetItemsDataset,
@@ -15,7 +16,6 @@ from datasets import (
     ThreadInfoDataset,
     detection_collate,
 )
-from helpers import assert_same, compare
 from torch.utils.data import DataLoader
 
 from fastfeed import FastLoader, LoaderStats

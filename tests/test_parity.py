@@ -5,7 +5,8 @@ import warnings
 
 import pytest
 import torch
-from datasets import (
+from helpers import assert_same, compare
+from sample_datasets import (
     DetectionDataset,
     GetItemsDataset,
     InitTagDataset,
@@ -17,7 +18,6 @@ from datasets import (
     detection_collate,
     record_worker_init,
 )
-from helpers import assert_same, compare
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler, SequentialSampler
 
 from fastfeed import FastLoader

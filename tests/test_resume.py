@@ -4,8 +4,8 @@ import pickle
 
 import pytest
 import torch
-from datasets import ShardedIterable, StatefulIterable, TensorDataset
 from helpers import assert_same
+from sample_datasets import ShardedIterable, StatefulIterable, TensorDataset
 
 from fastfeed import FastLoader
 

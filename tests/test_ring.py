@@ -5,8 +5,8 @@ import gc
 import numpy as np
 import pytest
 import torch
-from datasets import DetectionDataset, TensorDataset, detection_collate
 from helpers import assert_same, compare
+from sample_datasets import DetectionDataset, TensorDataset, detection_collate
 from torch.utils.data import DataLoader, Dataset
 
 from fastfeed import FastLoader

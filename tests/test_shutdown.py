@@ -10,8 +10,8 @@ import sys
 import time
 
 import pytest
-from datasets import BusyAfterFirst, FailingDataset, SlowDataset, TensorDataset
 from procs import alive, wait_until
+from sample_datasets import BusyAfterFirst, FailingDataset, SlowDataset, TensorDataset
 
 from fastfeed import FastLoader
 
