@@ -1,14 +1,26 @@
 """The ``"nvjpeg"`` backend: workers read file bytes; the GPU decodes, crops and resizes.
 
 Workers parse only the JPEG header (to draw the crop box from the image size) and hand over
-the encoded bytes as numpy arrays, which device prefetch leaves on the host. On the copy
-stream, :class:`NvjpegDecode` decodes the whole batch with
-``torchvision.io.decode_jpeg(device="cuda")`` and crops, resizes and flips each image on the
-GPU. torchvision is imported only here, and only when this backend is used.
+the encoded bytes as numpy arrays and the boxes as Python ints, which device prefetch leaves on
+the host. On the copy stream, :class:`NvjpegDecode` decodes the whole batch with
+``torchvision.io.decode_jpeg(device="cuda")``, crops and resizes each image on the GPU, then
+rounds and flips the batch at once. torchvision is imported only here, and only when this
+backend is used.
+
+Two rules keep the copy stream from stalling the training thread or racing it:
+
+- Nothing reads a device value back (``.tolist()``, ``.item()``, ``.cpu()``, ``if tensor``):
+  that would make the host wait for every kernel queued on the GPU. The crop boxes are what
+  the host needs, so they never go to the device.
+- Every buffer is allocated and written on the caller's current stream (FastLoader's copy
+  stream; torchvision's decoder orders its own stream after and before it), so the caching
+  allocator hands a freed buffer only to later work on that stream. The result reaches the
+  consumer's stream through FastLoader's event and ``record_stream``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -18,7 +30,7 @@ from fastfeed.vision.augment import random_flip
 from fastfeed.vision.decode import image_size
 from fastfeed.vision.folder import ImageFolder
 
-__all__ = ["EncodedImageFolder", "NvjpegDecode", "encoded_collate"]
+__all__ = ["EncodedImageFolder", "NvjpegDecode", "crop_resize", "encoded_collate"]
 
 
 class EncodedImageFolder(ImageFolder):
@@ -37,10 +49,32 @@ class EncodedImageFolder(ImageFolder):
 def encoded_collate(samples: list[dict]) -> dict[str, Any]:
     return {
         "data": [s["data"] for s in samples],
-        "box": torch.tensor([s["box"] for s in samples], dtype=torch.int64),
+        # Python ints, not a tensor: FastLoader would move a tensor to the GPU, and the host
+        # would then wait for the GPU to read the boxes back.
+        "box": [tuple(s["box"]) for s in samples],
         "flip": torch.tensor([s["flip"] for s in samples], dtype=torch.bool),
         "target": torch.tensor([s["target"] for s in samples], dtype=torch.int64),
     }
+
+
+def crop_resize(images: Sequence[torch.Tensor], boxes: Sequence[Sequence[int]], size: int
+                ) -> torch.Tensor:
+    """Crop each ``C×H×W`` uint8 image to its ``(x, y, w, h)`` box and resize it (bilinear,
+    antialiased) into one float32 ``N×3×size×size`` batch, unrounded.
+
+    The crops differ in size, so one interpolation per image; its output goes straight into
+    the batch, and rounding happens once for the whole batch, in the caller: three kernels an
+    image (convert, resize, store) instead of six.
+    """
+    out = torch.empty((len(images), 3, size, size), dtype=torch.float32,
+                      device=images[0].device if images else None)
+    for i, (image, (x, y, w, h)) in enumerate(zip(images, boxes, strict=True)):
+        crop = image[:3, y:y + h, x:x + w].unsqueeze(0).float()
+        if crop.shape[1] == 1:  # greyscale JPEG
+            crop = crop.expand(-1, 3, -1, -1)
+        out[i:i + 1] = torch.nn.functional.interpolate(
+            crop, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
+    return out
 
 
 class NvjpegDecode:
@@ -55,16 +89,7 @@ class NvjpegDecode:
         device = batch["target"].device
         encoded = [torch.from_numpy(np.asarray(d)) for d in batch["data"]]
         images = decode_jpeg(encoded, device=device)
-        out = torch.empty((len(images), 3, self.size, self.size), dtype=torch.uint8,
-                          device=device)
-        for i, (image, (x, y, w, h)) in enumerate(zip(images, batch["box"].tolist(),
-                                                      strict=True)):
-            crop = image[:3, y:y + h, x:x + w].unsqueeze(0).float()
-            if crop.shape[1] == 1:
-                crop = crop.expand(-1, 3, -1, -1)
-            resized = torch.nn.functional.interpolate(crop, size=(self.size, self.size),
-                                                      mode="bilinear", antialias=True,
-                                                      align_corners=False)
-            out[i] = resized[0].round_().clamp_(0, 255).to(torch.uint8)
+        out = crop_resize(images, batch["box"], self.size).round_().clamp_(0, 255)
+        out = out.to(torch.uint8)
         flip = batch["flip"].view(-1, 1, 1, 1)
         return torch.where(flip, out.flip(-1), out), batch["target"]

@@ -1,0 +1,66 @@
+"""The nvjpeg backend's batch logic on the CPU: no device value is read back, and the batched
+crop-resize equals resizing each crop alone. (Decoding on a GPU: ``test_vision.py``, gpu.)"""
+
+import io
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from fastfeed.tree import map_tensors
+from fastfeed.vision.nvjpeg import EncodedImageFolder, NvjpegDecode, crop_resize, encoded_collate
+from fastfeed.vision.synthetic import make_imagefolder
+
+HOST_READS = {torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.cpu, torch.Tensor.numpy,
+              torch.Tensor.__bool__, torch.Tensor.__int__, torch.Tensor.__index__,
+              torch.Tensor.__float__}
+
+
+class OnDevice(torch.Tensor):
+    """A tensor standing for device memory: reading its values on the host (what would make
+    the host wait for the GPU) fails the test."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in HOST_READS:
+            raise AssertionError(f"the host reads a device value back: Tensor.{func.__name__}")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def decode_with_pillow(data, device=None):
+    """torchvision.io.decode_jpeg's contract (a list of C×H×W uint8), on the CPU."""
+    return [torch.from_numpy(np.asarray(Image.open(io.BytesIO(np.asarray(d).tobytes())).convert(
+        "RGB"))).permute(2, 0, 1).contiguous() for d in data]
+
+
+@pytest.fixture
+def batch(tmp_path, monkeypatch):
+    torchvision = types.ModuleType("torchvision")
+    torchvision.io = types.ModuleType("torchvision.io")
+    torchvision.io.decode_jpeg = decode_with_pillow
+    monkeypatch.setitem(sys.modules, "torchvision", torchvision)
+    monkeypatch.setitem(sys.modules, "torchvision.io", torchvision.io)
+    folder = EncodedImageFolder(make_imagefolder(tmp_path, images=6, classes=2), 32, train=True)
+    return encoded_collate([folder[i] for i in range(6)])
+
+
+def test_decoding_a_batch_never_reads_device_values_back(batch):
+    # What device prefetch hands NvjpegDecode: every tensor of the batch on the device.
+    on_device = map_tensors(lambda t: t.as_subclass(OnDevice), batch)
+    images, targets = NvjpegDecode(32)(on_device)
+    assert images.shape == (6, 3, 32, 32) and images.dtype == torch.uint8
+    assert torch.equal(targets, batch["target"])
+
+
+def test_batched_crop_resize_equals_each_crop_resized_alone(batch):
+    images = decode_with_pillow(batch["data"])
+    images[1] = images[1][:1]  # a greyscale JPEG decodes to one channel
+    got = crop_resize(images, batch["box"], 32)
+    for image, (x, y, w, h), resized in zip(images, batch["box"], got, strict=True):
+        crop = image[:, y:y + h, x:x + w].unsqueeze(0).float().expand(-1, 3, -1, -1)
+        want = torch.nn.functional.interpolate(crop, size=(32, 32), mode="bilinear",
+                                               antialias=True, align_corners=False)[0]
+        assert torch.equal(resized, want)
