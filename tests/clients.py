@@ -6,6 +6,7 @@ each side-by-side run takes well under a second.
 
 from __future__ import annotations
 
+import functools
 import io
 import random
 
@@ -19,7 +20,9 @@ def jpeg(rng: random.Random, width: int = 32, height: int = 24) -> bytes:
     return buffer.getvalue()
 
 
-def labelled_jpegs(count: int, classes: int = 5, seed: int = 0) -> list[tuple[bytes, int]]:
-    """``count`` (JPEG bytes, label) pairs, the same for the same seed."""
+@functools.cache
+def labelled_jpegs(count: int, classes: int = 5, seed: int = 0) -> tuple[tuple[bytes, int], ...]:
+    """``count`` (JPEG bytes, label) pairs, made once per process: the images' grain comes
+    from Pillow's own unseeded noise, so two datasets compared must share these bytes."""
     rng = random.Random(seed)
-    return [(jpeg(rng), i % classes) for i in range(count)]
+    return tuple((jpeg(rng), i % classes) for i in range(count))
