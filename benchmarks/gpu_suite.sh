@@ -1,35 +1,76 @@
 #!/usr/bin/env bash
-# Everything that needs a GPU, for the lent GPU machine:
+# Everything that needs a GPU, for a fresh GPU machine with nothing but this repository:
 #   tests     the GPU-marked tests
+#   pinned    ring slots of a CUDA loader are page-locked (cudaPointerGetAttributes)
+#   dali      DALI on the GPU: tests/test_dali.py, its GPU tests included (needs DALI)
+#   nvjpeg    the nvjpeg backend's GPU tests (needs torchvision)
 #   overhead  benchmarks/overhead.py (adds H2D from the ring against the pinned peak)
 #   train     benchmarks/train_step.py, ResNet-50 (bs 256, AMP, channels_last) and YOLO-like
 #   images    benchmarks/images.py: nvjpeg against the CPU path at 16 workers
 #   yolo      the batch pixel ops of fastfeed.ultralytics' augment_device on the GPU and, where
 #             Ultralytics and OpenCV are installed, its YOLO loader: stock, patched, augment_device
 #   yolo_train  where Ultralytics is installed: yolov8n training, images/s and data stall
-# With no arguments it runs all six (about 20 minutes on an H100); name stages to split the
-# work across device calls: bash benchmarks/gpu_suite.sh tests overhead
+# With no arguments it runs all of them (about 20 minutes on an H100); name stages to split the
+# work across device calls: bash benchmarks/gpu_suite.sh tests pinned
 # Logs and JSON go under $OUT when it is set (the device tool), else benchmarks/out/.
-# The GPU machine cannot download: the extension is built with the pybind11 and setuptools
-# already installed there (--no-build-isolation), against its own torch. Ultralytics is not
-# installed there (its OpenCV is); wheels in .whl/ (carried, git-ignored) are installed first:
-#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl \
-#       ultralytics==8.4.190 ultralytics-thop==2.2.3
+#
+# Setup, before any stage; the script stops with exit 2 and says why where it cannot:
+# - python3 must hold a torch that sees a GPU; that torch is never reinstalled (pip gets it as
+#   a constraint).
+# - setuptools, pybind11 and pytest are required; the extras (test, dali, torchvision) are
+#   installed where pip can reach an index. A machine that cannot download uses what it has
+#   plus wheels carried in .whl/ (git-ignored), e.g.
+#     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl \
+#         ultralytics==8.4.190 ultralytics-thop==2.2.3
+# - The C++ extensions are built in place against that python; one that does not build or
+#   import stops the suite (exit 1): benchmarks without them would measure the fallbacks.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-benchmarks/out}"
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
-stages=("${@:-tests overhead train images yolo yolo_train}")
+stages=("${@:-tests pinned dali nvjpeg overhead train images yolo yolo_train}")
 stages=(${stages[*]})
 
-python3 -m pip install -q --no-build-isolation --no-deps -e . >"$out/install.log" 2>&1 \
-    || echo "install failed (see install.log); running from the source tree" | tee -a "$out/install.log"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-if compgen -G ".whl/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
-        >"$out/wheels.log" 2>&1 && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+die() {  # die CODE MESSAGE: stop the suite with a reason
+    echo "gpu_suite: $2" | tee -a "$out/setup.log" >&2
+    exit "$1"
+}
+has() { python3 -c "import $1" >/dev/null 2>&1; }
+pip_quiet() { python3 -m pip install -q --retries 0 --timeout 15 "$@" >>"$out/setup.log" 2>&1; }
+
+: >"$out/setup.log"
+command -v python3 >/dev/null || die 2 "no python3 on PATH"
+python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>>"$out/setup.log" \
+    || die 2 "python3's torch is missing or sees no GPU: nothing here can run"
+torch_pin="$out/torch-constraint.txt"
+python3 -c "import torch; print(f'torch=={torch.__version__}')" >"$torch_pin"
+
+if compgen -G ".whl/*.whl" >/dev/null; then  # carried wheels first, no index needed
+    pip_quiet --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
+# The extras, with the machine's torch held where it is; offline this fails and what is
+# already installed is used.
+pip_quiet --no-build-isolation -c "$torch_pin" -e ".[test,dali,torchvision]" \
+    || echo "gpu_suite: pip could not install the extras (offline?): using what is installed" \
+    | tee -a "$out/setup.log"
+for module in setuptools pybind11 pytest; do
+    has $module || pip_quiet -c "$torch_pin" $module \
+        || die 2 "$module is missing and could not be installed: install it, or carry its wheel in .whl/"
+done
+
+python3 setup.py build_ext --inplace >"$out/build.log" 2>&1 \
+    || die 1 "building the C++ extensions failed (see build.log)"
+required=(fastfeed._C fastfeed._warp)
+if compgen -G "/usr/include/jpeglib.h" >/dev/null || compgen -G "/usr/local/include/jpeglib.h" >/dev/null; then
+    required+=(fastfeed._jpeg)
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+for module in "${required[@]}"; do
+    python3 -c "import $module" >>"$out/build.log" 2>&1 \
+        || die 1 "extension $module did not build or does not import (see build.log)"
+done
 
 ultralytics_missing=""
 has_ultralytics() {  # else names the missing module: a dependency to carry in .whl/
@@ -50,6 +91,43 @@ python3 -m fastfeed info | tee "$out/info.txt"
 for stage in "${stages[@]}"; do
     case $stage in
         tests) run gpu_tests python3 -m pytest -m gpu -v -p no:cacheprovider tests ;;
+        pinned) run pinned python3 - <<'PY'
+# The slots of a CUDA loader's ring must be page-locked: else every copy from them is a
+# synchronous pageable copy. is_pinned() asks CUDA (cudaPointerGetAttributes) about the
+# slot's own address, so a registration that failed quietly shows here.
+import torch
+from torch.utils.data import TensorDataset
+from fastfeed import FastLoader
+
+data = TensorDataset(torch.randn(64, 3, 64, 64), torch.arange(64))
+loader = FastLoader(data, batch_size=8, num_workers=2, device="cuda")
+checked = 0
+for images, _ in loader:
+    ring = loader._telemetry.ring
+    slots = list(getattr(ring, "_slots", {}).values())
+    assert slots, "no ring slots found (FastLoader's ring API changed: update this check)"
+    for slot in slots:
+        assert torch.from_numpy(slot.memory).is_pinned(), f"slot {slot.slot_id} is pageable"
+        checked += 1
+assert checked, "the loader yielded nothing"
+print(f"page-locked: {checked} slot readings, all pinned")
+PY
+        ;;
+        dali)
+            if has nvidia.dali; then
+                run dali python3 -m pytest -v -p no:cacheprovider tests/test_dali.py
+            else
+                echo "== dali: FAILED: NVIDIA DALI is not installed (pip install 'fastfeed[dali]' needs an index)"
+                status=1
+            fi ;;
+        nvjpeg)
+            if has torchvision; then
+                run nvjpeg python3 -m pytest -v -p no:cacheprovider tests/test_nvjpeg.py \
+                    "tests/test_vision.py::test_nvjpeg_backend_agrees_with_cpu"
+            else
+                echo "== nvjpeg: FAILED: torchvision is not installed"
+                status=1
+            fi ;;
         overhead) run overhead python3 benchmarks/overhead.py --repeats 3 \
                       --json "$out/overhead.json" ;;
         train)
@@ -76,7 +154,7 @@ for stage in "${stages[@]}"; do
             else
                 echo "== yolo_train: skipped: $ultralytics_missing"
             fi ;;
-        *) echo "unknown stage $stage (tests, overhead, train, images, yolo, yolo_train)"
+        *) echo "unknown stage $stage (tests, pinned, dali, nvjpeg, overhead, train, images, yolo, yolo_train)"
            status=2 ;;
     esac
 done

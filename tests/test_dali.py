@@ -137,3 +137,14 @@ def test_bare_cuda_decodes_on_this_ranks_gpu(folder, monkeypatch):
                         lambda *args, **kwargs: None)
     loader = DaliLoader(folder, batch_size=8, device="cuda")
     assert built["device_id"] == 1 and loader.device == torch.device("cuda", 1)
+
+
+@pytest.mark.gpu
+def test_gpu_pipeline_yields_cuda_images_and_targets(numbered):
+    loader = DaliLoader(numbered, batch_size=4, size=32, train=True, device="cuda")
+    batches = 0
+    for images, targets in loader:
+        assert images.is_cuda and targets.device == images.device
+        assert images.dtype == torch.uint8 and targets.dtype == torch.int64
+        batches += 1
+    assert batches == len(loader) == math.ceil(13 / 4)

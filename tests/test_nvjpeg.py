@@ -64,3 +64,28 @@ def test_batched_crop_resize_equals_each_crop_resized_alone(batch):
         want = torch.nn.functional.interpolate(crop, size=(32, 32), mode="bilinear",
                                                antialias=True, align_corners=False)[0]
         assert torch.equal(resized, want)
+
+
+@pytest.mark.gpu
+def test_gpu_decode_matches_the_cpu_and_waits_for_nothing(tmp_path):
+    pytest.importorskip("torchvision")
+    folder = EncodedImageFolder(make_imagefolder(tmp_path, images=6, classes=2), 32, train=True)
+    batch = encoded_collate([folder[i] for i in range(6)])
+    on_gpu = map_tensors(lambda t: t.cuda(), batch)
+    images, targets = NvjpegDecode(32)(on_gpu)  # the first call sets up nvJPEG
+    assert images.is_cuda and targets.is_cuda
+    # Against the same crops of the images decoded on the CPU (nvJPEG's IDCT may differ from
+    # libjpeg's by a grey level).
+    want = crop_resize(decode_with_pillow(batch["data"]), batch["box"], 32).round().clamp(0, 255)
+    flip = batch["flip"].view(-1, 1, 1, 1)
+    want = torch.where(flip, want.flip(-1), want)
+    assert (images.cpu().float() - want).abs().mean() < 3.0
+    from torchvision.io import decode_jpeg
+
+    decoded = decode_jpeg([torch.from_numpy(d) for d in batch["data"]], device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        crop_resize(decoded, batch["box"], 32)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
