@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fastfeed.ring import Arena, SlotRing
+from fastfeed.ring import Arena
 
 __all__ = ["Encoded", "decode", "encode"]
 
@@ -128,10 +128,7 @@ class _SlotUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"unknown fastfeed persistent id {kind!r}")
 
 
-def decode(message: Encoded, ring: SlotRing | None) -> Any:
-    """Main side: rebuild the batch; its arrays are views that keep their slot leased."""
-    lease = None
-    if message.slot_id is not None:
-        assert ring is not None
-        lease = ring.lease(message.slot_id)
+def decode(message: Encoded, lease: np.ndarray | None) -> Any:
+    """Main side: rebuild the batch; its arrays are views of ``lease``, the slot's memory
+    (see :meth:`fastfeed.ring.SlotRing.lease`), which they keep alive."""
     return _SlotUnpickler(io.BytesIO(message.payload), lease).load()

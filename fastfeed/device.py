@@ -1,13 +1,11 @@
 """Device prefetch: copy batches to the GPU on a side stream, some batches ahead.
 
-Each host batch is copied ``non_blocking`` on one copy stream per loader, and
-``gpu_transform`` runs on that stream right after the copy. An event marks the end of that
-work. The consumer's stream waits on the event, and every device tensor is marked with
-``record_stream`` so that the caching allocator does not hand its memory out again while the
-consumer may still use it. The host batch (and with it its ring slot) is kept until the event
-has completed: a slot is never released while the copy engine can still read it.
+Each host batch is copied ``non_blocking`` from page-locked memory on one copy stream per
+loader, and ``gpu_transform`` runs on that stream right after the copy. An event marks the end
+of that work; the ring slots the copy read are fenced with it, the consumer's stream waits on
+it, and every device tensor is marked with ``record_stream`` (:class:`StreamCopier`).
 
-On ``device="cpu"`` the same code path runs without streams or events.
+On ``device="cpu"`` the same path runs without streams or events (:class:`HostCopier`).
 """
 
 from __future__ import annotations
@@ -20,10 +18,18 @@ from typing import Any
 
 import torch
 
+from fastfeed.ring import SlotRing
 from fastfeed.telemetry import Telemetry, batch_length
 from fastfeed.tree import map_tensors
 
-__all__ = ["DeviceIterator", "check_device", "resolve_device"]
+__all__ = [
+    "DeviceIterator",
+    "HostCopier",
+    "StreamCopier",
+    "check_device",
+    "pinned_source",
+    "resolve_device",
+]
 
 
 def check_device(device: str | int | torch.device) -> torch.device:
@@ -61,35 +67,118 @@ def resolve_device(device: str | int | torch.device) -> torch.device:
     return resolved
 
 
-def _to_device(device: torch.device, non_blocking: bool) -> Callable[[torch.Tensor], Any]:
-    def move(tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.to(device, non_blocking=non_blocking)
+def pinned_source(tensor: torch.Tensor) -> torch.Tensor:
+    """What a ``non_blocking`` host-to-device copy of ``tensor`` should read.
 
-    return move
+    Page-locked memory (a registered ring slot, torch's pinned pool) as it is. Anything else
+    is copied into torch's pinned pool first: from pageable memory a "non_blocking" copy is
+    staged synchronously, and torch's pool keeps its block until the copy's stream is done.
+    """
+    return tensor if tensor.is_pinned() else tensor.pin_memory()
+
+
+class HostCopier:
+    """``device="cpu"``: the same path with no streams, events or pinning."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def copy(self, host_batch: Any, transform: Callable[[Any], Any] | None,
+             telemetry: Telemetry) -> tuple[Any, Any, list[torch.Tensor]]:
+        """Copy (and transform) a batch; return it, its event and the host tensors read."""
+        return _timed_copy(host_batch, lambda t: t.to(self.device), transform, telemetry), None, []
+
+    def hand_over(self, batch: Any, event: Any) -> None:
+        """Make ``batch`` safe to use on the consumer's stream."""
+
+
+class StreamCopier:
+    """Copies batches to a CUDA device on a side stream: the CUDA stream rules in one place.
+
+    * Every copy reads page-locked memory (:func:`pinned_source`), so it is asynchronous.
+    * The copy and ``gpu_transform`` run on ``stream``; an event recorded after them marks
+      the end of everything that reads the host batch. The caller fences the ring slots it
+      read with that event: they are not reused before it completes, whatever happens to the
+      host batch (DESIGN.md invariant 2).
+    * The consumer's current stream waits on the event, and every device tensor is marked
+      with ``record_stream`` so that the caching allocator does not reuse its memory while
+      the consumer's stream may still read it.
+    * Nothing here waits on the GPU from the host.
+    """
+
+    def __init__(self, device: torch.device, stream: Any) -> None:
+        self.device = device
+        self.stream = stream
+
+    def copy(self, host_batch: Any, transform: Callable[[Any], Any] | None,
+             telemetry: Telemetry) -> tuple[Any, Any, list[torch.Tensor]]:
+        read: list[torch.Tensor] = []
+
+        def move(tensor: torch.Tensor) -> torch.Tensor:
+            source = pinned_source(tensor)
+            if source is tensor:
+                read.append(tensor)  # the copy engine reads the host batch's own memory
+            return source.to(self.device, non_blocking=True)
+
+        with torch.cuda.stream(self.stream):
+            batch = _timed_copy(host_batch, move, transform, telemetry)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        return batch, event, read
+
+    def hand_over(self, batch: Any, event: Any) -> None:
+        consumer = torch.cuda.current_stream(self.device)
+        consumer.wait_event(event)
+
+        def mark(tensor: torch.Tensor) -> torch.Tensor:
+            if tensor.is_cuda:
+                tensor.record_stream(consumer)
+            return tensor
+
+        map_tensors(mark, batch)
+
+
+Copier = HostCopier | StreamCopier
+
+
+def _timed_copy(host_batch: Any, move: Callable[[torch.Tensor], torch.Tensor],
+                transform: Callable[[Any], Any] | None, telemetry: Telemetry) -> Any:
+    # On CUDA these are the host-side times to enqueue the work, not the GPU's.
+    start = time.perf_counter()
+    batch = map_tensors(move, host_batch)
+    copied = time.perf_counter()
+    telemetry.add_stage("transfer", copied - start)
+    if transform is not None:
+        batch = transform(batch)
+        telemetry.add_stage("gpu_transform", time.perf_counter() - copied)
+    return batch
 
 
 class DeviceIterator:
-    """Wraps a host iterator; yields batches already on ``device``, ``depth`` batches ahead."""
+    """Wraps a host iterator; yields batches already on the device, ``depth`` batches ahead.
+
+    The host batch is dropped as soon as its copy is queued: the ring slots the copy reads
+    are fenced with the copy's event (``host.ring``), and memory from torch's pinned pool is
+    guarded by torch. So neither an abandoned iterator nor a slow consumer can let a slot be
+    rewritten under a copy still queued.
+    """
 
     def __init__(
         self,
         host: Iterator[Any],
-        device: torch.device,
+        copier: Copier,
         depth: int,
         transform: Callable[[Any], Any] | None,
-        stream: Any = None,
         telemetry: Telemetry | None = None,
     ) -> None:
         self._host = host
+        self._copier = copier
         self._telemetry = telemetry or Telemetry()
-        self._device = device
         self._depth = depth
         self._transform = transform
-        self._stream = stream  # None on CPU
-        self._move = _to_device(device, non_blocking=stream is not None)
-        # (device batch, event, host batch, the host's snapshot after handing it over)
-        self._ready: deque[tuple[Any, Any, Any, Any]] = deque()
-        self._in_flight: deque[tuple[Any, Any]] = deque()  # (event, host batch) being read
+        self._ring: SlotRing | None = getattr(host, "ring", None)
+        # (device batch, event, the host's snapshot after handing it over)
+        self._ready: deque[tuple[Any, Any, Any]] = deque()
         self._exhausted = False
         # Batches copied ahead are not delivered yet: resume from the last delivered one.
         self._delivered_state = self._host_state()
@@ -109,34 +198,12 @@ class DeviceIterator:
         return self._host.state_dict() if hasattr(self._host, "state_dict") else None
 
     def close(self) -> None:
-        """Drop the batches copied ahead, then close the host iterator."""
-        if self._stream is not None:
-            self._stream.synchronize()  # the copies still read the host batches
+        """Drop the batches copied ahead, then close the host iterator (the fences keep the
+        slots those copies read until they complete)."""
         self._ready.clear()
-        self._in_flight.clear()
         self._exhausted = True
         if hasattr(self._host, "close"):
             self._host.close()
-
-    def _stage(self, host_batch: Any) -> tuple[Any, Any, Any]:
-        if self._stream is None:
-            return self._copy_and_transform(host_batch), None, None
-        with torch.cuda.stream(self._stream):
-            batch = self._copy_and_transform(host_batch)
-            event = torch.cuda.Event()
-            event.record(self._stream)
-        return batch, event, host_batch
-
-    def _copy_and_transform(self, host_batch: Any) -> Any:
-        # On CUDA these are the host-side times to enqueue the work, not the GPU's.
-        start = time.perf_counter()
-        batch = map_tensors(self._move, host_batch)
-        copied = time.perf_counter()
-        self._telemetry.add_stage("transfer", copied - start)
-        if self._transform is not None:
-            batch = self._transform(batch)
-            self._telemetry.add_stage("gpu_transform", time.perf_counter() - copied)
-        return batch
 
     def _fill(self) -> None:
         while not self._exhausted and len(self._ready) < self._depth:
@@ -145,32 +212,21 @@ class DeviceIterator:
             except StopIteration:
                 self._exhausted = True
                 return
-            self._ready.append((*self._stage(host_batch), self._host_state()))
-
-    def _release_copied(self) -> None:
-        # Host batches (and their ring slots) go only once the copy engine is done with them.
-        while self._in_flight and self._in_flight[0][0].query():
-            self._in_flight.popleft()
+            batch, event, read = self._copier.copy(host_batch, self._transform, self._telemetry)
+            if event is not None and self._ring is not None:
+                for tensor in read:
+                    self._ring.fence(tensor.data_ptr(), event)
+            self._ready.append((batch, event, self._host_state()))
 
     def __next__(self) -> Any:
         requested = time.perf_counter()
-        self._release_copied()
         self._fill()
         if not self._ready:
             self._delivered_state = self._host_state()
             raise StopIteration
-        batch, event, host_batch, self._delivered_state = self._ready.popleft()
+        batch, event, self._delivered_state = self._ready.popleft()
         if event is not None:
-            consumer = torch.cuda.current_stream(self._device)
-            consumer.wait_event(event)
-
-            def mark(tensor: torch.Tensor) -> torch.Tensor:
-                if tensor.is_cuda:
-                    tensor.record_stream(consumer)
-                return tensor
-
-            map_tensors(mark, batch)
-            self._in_flight.append((event, host_batch))
+            self._copier.hand_over(batch, event)
         self._telemetry.delivered(requested, batch_length(batch, auto_collation=True))
         self._fill()  # queue the next copies now, so that they overlap the consumer's step
         return batch

@@ -12,9 +12,18 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from fastfeed._torch_compat import is_datapipe, is_iterable_dataset
 from fastfeed.autotune import WorkerTuner, initial_workers
-from fastfeed.device import DeviceIterator, resolve_device
+from fastfeed.device import (
+    Copier,
+    DeviceIterator,
+    HostCopier,
+    StreamCopier,
+    check_device,
+    resolve_device,
+)
 from fastfeed.iterators import IteratorSetup, Learned, SingleProcessIterator, WorkerPoolIterator
+from fastfeed.pinning import Pinner
 from fastfeed.resume import EpochStart, LoaderState
+from fastfeed.ring import SlotRing, ring_supported
 from fastfeed.telemetry import GpuSampler, LoaderStats, Telemetry
 
 __all__ = ["FastLoader"]
@@ -143,20 +152,15 @@ class FastLoader(DataLoader):
         if gpu_transform is not None and device is None:
             raise ValueError("gpu_transform runs on the device: pass device='cuda' (or 'cpu')")
         self.ring_slots = ring_slots
-        self.device = None if device is None else resolve_device(device)
+        # Which GPU a bare "cuda" means is decided at the first iteration, when the training
+        # script has set up its device (torch.cuda.set_device, a launcher's environment).
+        self.device = None if device is None else check_device(device)
         self.prefetch_depth = prefetch_depth
         self.gpu_transform = gpu_transform
         self.worker_mode = worker_mode
         self.deterministic = deterministic
         self.log_every = log_every
-        # A weak reference: a loader<->telemetry cycle would leave persistent workers to the
-        # garbage collector, which may run their shutdown in any thread.
-        self._telemetry = Telemetry(log_every, describe=partial(_summary, weakref.ref(self)))
-        self._gpu_sampler: GpuSampler | None = None
-        self._copy_stream: Any = None  # one per loader, created on first use
-        self._live_iterator: Callable[[], Any] = lambda: None
-        self._learned = Learned()  # what iterators learn for the next ones
-        self._decided_mode = False
+        self._init_runtime()
         super().__init__(
             dataset,
             batch_size=batch_size,
@@ -177,16 +181,46 @@ class FastLoader(DataLoader):
             in_order=in_order,
         )
 
-    @property
-    def num_workers(self) -> int:
-        """As in torch; with ``num_workers="auto"``, the count the tuner has settled on."""
-        learned = self._learned.workers
-        return self._num_workers if learned is None else learned
+    def _init_runtime(self) -> None:
+        """State a loader builds for itself, never copied: not by pickling (``ddp_spawn``,
+        ``copy.deepcopy``), nor by frameworks that rebuild a loader from ``vars(loader)``
+        (they skip private attributes)."""
+        # A weak reference: a loader<->telemetry cycle would leave persistent workers to the
+        # garbage collector, which may run their shutdown in any thread.
+        self._telemetry = Telemetry(self.log_every,
+                                    describe=partial(_summary, weakref.ref(self)))
+        self._gpu_sampler: GpuSampler | None = None
+        self._target: torch.device | None = None  # self.device, resolved at the first iteration
+        self._copy_stream: Any = None  # one per loader, created on first use
+        self._ring: SlotRing | None = None  # one per loader, created on first use
+        self._live_iterator: Callable[[], Any] = lambda: None
+        self._learned = Learned()  # what iterators learn for the next ones
+        self._decided_mode = False
 
-    @num_workers.setter
-    def num_workers(self, value: int) -> None:
-        self._num_workers = value
-        self._learned.workers = None  # a count set by hand replaces the tuner's
+    def __setattr__(self, name: str, value: Any) -> None:
+        # A count set by hand replaces the tuner's. Subclasses may set num_workers before
+        # calling __init__ (litdata's StreamingDataLoader does), when there is no tuner yet.
+        learned = self.__dict__.get("_learned")
+        if name == "num_workers" and learned is not None:
+            learned.workers = None
+        super().__setattr__(name, value)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__
+        runtime = ("_telemetry", "_gpu_sampler", "_target", "_copy_stream", "_ring",
+                   "_live_iterator", "_learned", "_decided_mode", "_iterator")
+        return {k: v for k, v in state.items() if k not in runtime}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.__dict__["_iterator"] = None
+        self._init_runtime()
+
+    def _sync_tuned_workers(self) -> None:
+        """With ``num_workers="auto"``, ``num_workers`` follows the tuner between epochs."""
+        tuned = self._learned.workers
+        if tuned is not None and tuned != self.num_workers:
+            self.__dict__["num_workers"] = tuned
 
     def stats(self, reset: bool = False) -> LoaderStats:
         """Where the time went since the loader was created (or last reset).
@@ -199,6 +233,7 @@ class FastLoader(DataLoader):
         used, allocated = t.ring.occupancy if t.ring is not None else (0, 0)
         if self._gpu_sampler is None:
             self._gpu_sampler = GpuSampler()
+        self._sync_tuned_workers()
         workers = self.num_workers
         snapshot = LoaderStats(
             batches=t.batches,
@@ -241,10 +276,23 @@ class FastLoader(DataLoader):
         return chosen
 
     @property
-    def _pins_host_memory(self) -> bool:
-        """Batches are headed for a CUDA device: page-lock the ring's slots."""
-        wants_cuda = self.pin_memory or (self.device is not None and self.device.type == "cuda")
-        return wants_cuda and torch.cuda.is_available()
+    def _copies_to_cuda(self) -> bool:
+        """fastfeed copies batches to a CUDA device itself (``device="cuda"``)."""
+        return self._target is not None and self._target.type == "cuda"
+
+    def _ring_for(self, worker_mode: str) -> SlotRing | None:
+        """The loader's ring, made on first use and kept across epochs (page-locking is slow
+        and synchronising). Its slots are page-locked only when fastfeed owns every copy out
+        of them (``device="cuda"``): a slot the user copies from must not be (invariant 2)."""
+        if worker_mode != "process" or self.ring_slots == 0 or not ring_supported():
+            return None
+        if self._ring is None:
+            pin = None
+            if self._copies_to_cuda:
+                assert self._target is not None and self._target.index is not None
+                pin = Pinner(self._target.index)
+            self._ring = SlotRing(max_slots=0, pin=pin)
+        return self._ring
 
     def _iterator_setup(self) -> IteratorSetup:
         """Everything fastfeed decides for the next iterator (see ``iterators/setup.py``)."""
@@ -254,12 +302,14 @@ class FastLoader(DataLoader):
             tuner = self._learned.tuner or WorkerTuner(self.num_workers, self._max_workers)
             tuner.restart(self.num_workers)
             self._learned.tuner = tuner
+        worker_mode = self._worker_mode_for_next_iterator()
         return IteratorSetup(
             telemetry=self._telemetry,
             learned=self._learned,
-            worker_mode=self._worker_mode_for_next_iterator(),
+            worker_mode=worker_mode,
             tuner=tuner,
-            pin_ring=self._pins_host_memory,
+            ring=self._ring_for(worker_mode),
+            pin_batches=self.pin_memory and self.device is None and torch.cuda.is_available(),
             # ready batches, plus the one being copied
             held_by_prefetch=0 if self.device is None else self.prefetch_depth + 1,
             ring_slots=self.ring_slots,
@@ -293,25 +343,31 @@ class FastLoader(DataLoader):
         self._learned.resume = LoaderState.from_dict(state_dict)
 
     def __iter__(self) -> Any:
+        self._sync_tuned_workers()
+        if self.device is not None and self._target is None:
+            self._target = resolve_device(self.device)
         iterator = self._wrap(super().__iter__())
         self._live_iterator = weakref.ref(iterator)
         return iterator
 
     def _wrap(self, host: Any) -> Any:
-        if self._pins_host_memory and self._gpu_sampler is None:
+        heads_to_cuda = self._copies_to_cuda or (self.pin_memory and torch.cuda.is_available())
+        if heads_to_cuda and self._gpu_sampler is None:
             self._gpu_sampler = GpuSampler()
             self._gpu_sampler.start()
             weakref.finalize(self, self._gpu_sampler.stop)
-        if self.device is None:
+        if self._target is None:
             return host
         host.records_delivery = False  # the device iterator measures the consumer's wait
         if self.gpu_transform is not None and hasattr(self.gpu_transform, "seed"):
             # Seeded from the base seed the iterator already drew: no extra generator draws.
             self.gpu_transform.seed(host._base_seed)
-        if self.device.type == "cuda" and self._copy_stream is None:
-            self._copy_stream = torch.cuda.Stream(self.device)
-        stream = self._copy_stream if self.device.type == "cuda" else None
-        return DeviceIterator(host, self.device, self.prefetch_depth, self.gpu_transform, stream,
+        copier: Copier = HostCopier(self._target)
+        if self._copies_to_cuda:
+            if self._copy_stream is None:
+                self._copy_stream = torch.cuda.Stream(self._target)
+            copier = StreamCopier(self._target, self._copy_stream)
+        return DeviceIterator(host, copier, self.prefetch_depth, self.gpu_transform,
                               self._telemetry)
 
     def _get_iterator(self) -> Any:

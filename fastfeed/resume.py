@@ -4,20 +4,42 @@ An epoch is reproducible from the random state at its start plus the number of b
 already delivered: restoring the state makes the sampler draw the same permutation and the
 iterator the same worker base seed, and the delivered index batches are then skipped without
 loading them. IterableDatasets cannot skip by index; they resume from their own
-``state_dict()`` (one per worker replica), or, lacking one, by reading and discarding the
-delivered batches.
+``state_dict()`` (one per worker replica) when it follows the protocol of
+:func:`has_snapshot_protocol`, or else by reading and discarding the delivered batches.
 """
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
-__all__ = ["EpochStart", "LoaderState"]
+__all__ = ["EpochStart", "LoaderState", "has_snapshot_protocol"]
 
 STATE_VERSION = 1
+
+
+def has_snapshot_protocol(dataset: Any) -> bool:
+    """Whether fastfeed may snapshot ``dataset`` with its own ``state_dict()``.
+
+    Only the protocol of torchdata's ``StatefulDataLoader`` (and Hugging Face datasets):
+    ``state_dict()`` callable with no arguments, and ``load_state_dict(state)``. Streaming
+    libraries (litdata, mosaicml-streaming) give their datasets a ``state_dict`` with
+    arguments that belongs to their own loaders, and some refuse it inside workers: those
+    resume by re-reading, as plain datasets do.
+    """
+    state_dict = getattr(dataset, "state_dict", None)
+    if not callable(state_dict) or not callable(getattr(dataset, "load_state_dict", None)):
+        return False
+    try:
+        parameters = inspect.signature(state_dict).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    required = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                inspect.Parameter.KEYWORD_ONLY)
+    return not any(p.kind in required and p.default is p.empty for p in parameters)
 
 
 @dataclass

@@ -2,21 +2,34 @@
 
 Each slot is an anonymous ``memfd`` mapping. It has no name in ``/dev/shm``, so a killed
 process can never leave one behind, and Docker's small default ``/dev/shm`` does not limit it.
-The main process owns the ring; workers receive each slot's file descriptor over a control
-pipe and map it once.
+The main process owns the ring (one per loader, kept across epochs); workers receive each
+slot's file descriptor over a control pipe and map it once.
 
-Lifetime of a slot (DESIGN.md invariant 2)::
+Ownership (DESIGN.md invariant 2). A slot has exactly one owner at a time, and only the
+ring decides when it may be reused::
 
-    free ──acquire──> assigned to a task ──decode──> leased to a batch ──last tensor dies──> free
+    FREE ──acquire()──> ASSIGNED(ticket) ──lease(ticket)──> LEASED ──last view dies──> FREE
+                              └────────release(ticket)──────────────────────────────────┘
+
+``acquire`` hands out a :class:`Ticket` (slot id + generation). The task that holds it either
+turns it into a lease (the batch arrived) or releases it (the task failed or was cancelled),
+once. A ticket of an older generation is stale: using it changes nothing, and raises
+:class:`SlotOwnershipError` when ``FASTFEED_STRICT_RING=1`` (the test suite sets it), so a path
+that releases twice can never free a slot another task owns.
 
 A lease is a fresh numpy view of the slot. Every tensor of a delivered batch is a view of it,
-so the slot returns to the ring only when nothing references the batch any more. When every
-slot is out, tasks are sent without one and take torch's ordinary shared-memory path: nothing
-is ever overwritten, and memory stays bounded by ``max_slots × slot_bytes``.
+so the slot returns only when nothing references the batch any more. A copy that the ring
+cannot see (the GPU reading the slot on a stream) is declared with :meth:`SlotRing.fence`:
+the slot is not handed out again until every fence on it reports completion, whatever path
+dropped the batch. When every slot is out, tasks are sent without one and take torch's
+ordinary shared-memory path: nothing is ever overwritten, and memory stays bounded by
+``max_slots × slot_bytes``.
 """
 
 from __future__ import annotations
 
+import collections
+import enum
 import logging
 import mmap
 import os
@@ -27,13 +40,23 @@ import weakref
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle, send_handle
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from fastfeed._proc import available_memory
+from fastfeed.pinning import Pinner
 
-__all__ = ["Arena", "SlotRing", "WorkerSlots", "ring_supported"]
+__all__ = [
+    "Arena",
+    "Fence",
+    "SlotOwnershipError",
+    "SlotRing",
+    "Ticket",
+    "WorkerSlots",
+    "ring_supported",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +65,34 @@ ALIGN = 64
 _HEADROOM = 1.25
 # The ring may take at most this share of the memory the kernel reports as available.
 _MAX_SHARE_OF_AVAILABLE = 0.5
+# Misuse of a ticket is a bug in fastfeed: loud in tests, harmless (and logged) otherwise.
+STRICT = os.environ.get("FASTFEED_STRICT_RING") == "1"
+
+
+class SlotOwnershipError(RuntimeError):
+    """A ticket was used after its slot changed hands (a double release, a stale lease)."""
+
+
+class Fence(Protocol):
+    """What :meth:`SlotRing.fence` needs of an event: ``torch.cuda.Event`` is one."""
+
+    def query(self) -> bool: ...
+
+    def synchronize(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """The right to one use of a slot: the slot, and which of its hand-outs this is."""
+
+    slot_id: int
+    generation: int
+
+
+class _State(enum.Enum):
+    FREE = "free"
+    ASSIGNED = "assigned"  # a task's worker may be writing it
+    LEASED = "leased"  # views of it are alive in the main process
 
 
 def ring_supported() -> bool:
@@ -60,19 +111,6 @@ def _map(fd: int, nbytes: int) -> mmap.mmap:
     return mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, **options)
 
 
-def _cuda_host_register(array: np.ndarray) -> bool:
-    """Page-lock ``array`` so that it *is* pinned memory. Fails soft (returns False)."""
-    if not torch.cuda.is_available():  # on a CPU-only torch, cudart() raises AssertionError
-        return False
-    cudart = torch.cuda.cudart()
-    err = cudart.cudaHostRegister(array.ctypes.data, array.nbytes, 0)
-    if int(err) != 0:
-        logger.warning("cudaHostRegister failed (%s); this slot is pageable", err)
-        return False
-    weakref.finalize(array, cudart.cudaHostUnregister, array.ctypes.data).atexit = False
-    return True
-
-
 @dataclass(eq=False)
 class _Slot:
     slot_id: int
@@ -80,7 +118,32 @@ class _Slot:
     fd: int
     memory: np.ndarray  # uint8 view of the whole mapping; leases are views of it
     pinned: bool
-    in_use: bool = field(default=False)
+    state: _State = _State.FREE
+    generation: int = 0
+    fences: list[Fence] = field(default_factory=list)
+
+    @property
+    def address(self) -> int:
+        return int(self.memory.ctypes.data)
+
+    def copies_done(self) -> bool:
+        """Drop the fences that completed; True when none is left."""
+        self.fences = [fence for fence in self.fences if not fence.query()]
+        return not self.fences
+
+    def reusable(self) -> bool:
+        return self.state is _State.FREE and self.copies_done()
+
+
+def _close_slots(slots: dict[int, _Slot]) -> None:
+    """Close every slot, after the copies still reading any of them (shutdown only: the
+    mapping of a slot nothing leases goes with it, and a copy engine may still read it)."""
+    for slot in slots.values():
+        for fence in slot.fences:
+            fence.synchronize()
+        slot.fences.clear()
+        os.close(slot.fd)
+    slots.clear()
 
 
 class SlotRing:
@@ -88,20 +151,25 @@ class SlotRing:
 
     Args:
         max_slots: the most slots the ring holds; beyond that, batches take the ordinary path.
-        pin: page-lock slots with ``cudaHostRegister`` when CUDA is available.
+        pin: page-locks each new slot for the CUDA device batches are copied to (see
+            :mod:`fastfeed.pinning`); ``None`` leaves slots pageable.
         slot_bytes: initial slot size; 0 means "learn it from the first batches".
     """
 
-    def __init__(self, max_slots: int, pin: bool = False, slot_bytes: int = 0) -> None:
+    def __init__(self, max_slots: int, pin: Pinner | None = None, slot_bytes: int = 0) -> None:
         self.max_slots = max_slots
         self.pin = pin
         self.slot_bytes = _round_up(slot_bytes, mmap.PAGESIZE)
         self._slots: dict[int, _Slot] = {}
         self._next_id = 0
+        # Leases die in whatever thread the garbage collector runs, possibly inside acquire()
+        # on this very thread: their finalisers only append here (atomic), never lock.
+        self._returned: collections.deque[tuple[int, int]] = collections.deque()
         self._lock = threading.Lock()
         self._warned_memory = False
         self._seen: int | None = None
         self._varies = False
+        weakref.finalize(self, _close_slots, self._slots).atexit = False
 
     # -- sizing ------------------------------------------------------------------------------
     def note_required(self, nbytes: int) -> None:
@@ -120,20 +188,22 @@ class SlotRing:
     @property
     def nbytes(self) -> int:
         """Bytes of shared memory the ring holds now."""
-        return sum(s.nbytes for s in self._slots.values())
+        with self._lock:
+            return sum(s.nbytes for s in self._slots.values())
 
     @property
     def occupancy(self) -> tuple[int, int]:
-        """``(slots in use, slots allocated)``."""
+        """``(slots not reusable now, slots allocated)``."""
         with self._lock:
-            return sum(s.in_use for s in self._slots.values()), len(self._slots)
+            self._collect_returned()
+            return sum(not s.reusable() for s in self._slots.values()), len(self._slots)
 
     # -- slot life cycle ---------------------------------------------------------------------
-    def acquire(self) -> tuple[_Slot | None, list[_Slot], list[int]]:
-        """Take a free slot for a task.
+    def acquire(self) -> tuple[Ticket | None, list[_Slot], list[int]]:
+        """Take a reusable slot for a task.
 
-        Returns ``(slot, created, retired)``: the slot (``None`` when the ring is exhausted or
-        has not learned the batch size yet), slots newly created that workers must map, and
+        Returns ``(ticket, created, retired)``: the ticket (``None`` when the ring is exhausted
+        or has not learned the batch size yet), slots newly created that workers must map, and
         ids of slots dropped because they are smaller than batches now need.
         """
         if self.slot_bytes == 0:
@@ -141,9 +211,10 @@ class SlotRing:
         created: list[_Slot] = []
         retired: list[int] = []
         with self._lock:
+            self._collect_returned()
             slot = None
             for candidate in self._slots.values():
-                if candidate.in_use:
+                if not candidate.reusable():
                     continue
                 if candidate.nbytes < self.slot_bytes:
                     retired.append(candidate.slot_id)
@@ -155,33 +226,74 @@ class SlotRing:
             if slot is None and len(self._slots) < self.max_slots and self._fits_in_memory():
                 slot = self._create(self.slot_bytes)
                 created.append(slot)
-            if slot is not None:
-                slot.in_use = True
-        return slot, created, retired
+            if slot is None:
+                return None, created, retired
+            slot.state = _State.ASSIGNED
+            slot.generation += 1
+            return Ticket(slot.slot_id, slot.generation), created, retired
 
-    def release(self, slot_id: int) -> None:
-        """Return a slot to the ring (a task failed, or its batch was discarded)."""
+    def release(self, ticket: Ticket) -> None:
+        """Give back an assigned slot whose task will never deliver (failed, cancelled)."""
         with self._lock:
-            slot = self._slots.get(slot_id)
+            slot = self._owned(ticket, _State.ASSIGNED, "release")
             if slot is not None:
-                slot.in_use = False
+                slot.state = _State.FREE
 
-    def lease(self, slot_id: int) -> np.ndarray:
-        """Return a view of the slot that returns it to the ring when garbage-collected."""
-        lease = self._slots[slot_id].memory.view()
-        weakref.finalize(lease, _release_if_alive, weakref.ref(self), slot_id).atexit = False
+    def lease(self, ticket: Ticket) -> np.ndarray:
+        """Turn ``ticket`` into a view of its slot; the slot returns when the view dies."""
+        with self._lock:
+            slot = self._owned(ticket, _State.ASSIGNED, "lease")
+            if slot is None:
+                raise SlotOwnershipError(f"slot {ticket.slot_id} was reused before its batch "
+                                         "was read")
+            slot.state = _State.LEASED
+            lease = slot.memory.view()
+        weakref.finalize(lease, self._returned.append,
+                         (ticket.slot_id, ticket.generation)).atexit = False
         return lease
 
-    def close(self) -> None:
-        """Drop every slot. Memory still leased to user batches stays valid until they die."""
+    def fence(self, address: int, fence: Fence) -> bool:
+        """Keep the slot holding ``address`` from reuse until ``fence.query()`` is True.
+
+        Returns whether ``address`` lies in a slot of this ring.
+        """
         with self._lock:
-            for slot_id in list(self._slots):
-                self._drop(slot_id)
+            for slot in self._slots.values():
+                if slot.address <= address < slot.address + slot.nbytes:
+                    slot.fences.append(fence)
+                    return True
+        return False
+
+    def close(self) -> None:
+        """Drop every slot (after the copies still reading them). Memory still leased to user
+        batches stays valid until they die."""
+        with self._lock:
+            _close_slots(self._slots)
 
     def fds(self) -> list[tuple[int, int, int]]:
         """``(slot_id, nbytes, fd)`` of every live slot, for a worker that starts late."""
         with self._lock:
             return [(s.slot_id, s.nbytes, s.fd) for s in self._slots.values()]
+
+    def _owned(self, ticket: Ticket, state: _State, action: str) -> _Slot | None:
+        """The ticket's slot if the ticket still owns it in ``state``; else report misuse."""
+        slot = self._slots.get(ticket.slot_id)
+        if slot is not None and slot.generation == ticket.generation and slot.state is state:
+            return slot
+        now = "gone" if slot is None else f"{slot.state.value}, generation {slot.generation}"
+        message = (f"ring: {action} of slot {ticket.slot_id} with a stale ticket (generation "
+                   f"{ticket.generation}; the slot is {now})")
+        if STRICT:
+            raise SlotOwnershipError(message)
+        logger.error(message)
+        return None
+
+    def _collect_returned(self) -> None:
+        while self._returned:
+            slot_id, generation = self._returned.popleft()
+            slot = self._slots.get(slot_id)
+            if slot is not None and slot.generation == generation:
+                slot.state = _State.FREE
 
     def _create(self, nbytes: int) -> _Slot:
         fd = os.memfd_create(f"fastfeed-slot-{self._next_id}", os.MFD_CLOEXEC)
@@ -191,15 +303,17 @@ class SlotRing:
         except BaseException:
             os.close(fd)
             raise
-        slot = _Slot(self._next_id, nbytes, fd, memory, self.pin and _cuda_host_register(memory))
+        pinned = self.pin is not None and self.pin.register(memory)
+        slot = _Slot(self._next_id, nbytes, fd, memory, pinned)
         self._slots[slot.slot_id] = slot
         self._next_id += 1
-        logger.debug("ring: created slot %d of %d bytes", slot.slot_id, nbytes)
+        logger.debug("ring: created slot %d of %d bytes (pinned: %s)", slot.slot_id, nbytes,
+                     pinned)
         return slot
 
     def _drop(self, slot_id: int) -> None:
-        slot = self._slots.pop(slot_id)
-        os.close(slot.fd)
+        # Only reusable slots are dropped: no lease, no copy still reading them.
+        os.close(self._slots.pop(slot_id).fd)
 
     def _fits_in_memory(self) -> bool:
         available = available_memory()
@@ -222,12 +336,6 @@ class SlotRing:
 
     def __setstate__(self, state: dict) -> None:
         self.__init__(**state)  # type: ignore[misc]
-
-
-def _release_if_alive(ring_ref: weakref.ref[SlotRing], slot_id: int) -> None:
-    ring = ring_ref()
-    if ring is not None:
-        ring.release(slot_id)
 
 
 class WorkerSlots:

@@ -36,6 +36,7 @@ from fastfeed._torch_compat import (
 from fastfeed.codec import encode
 from fastfeed.collate import collate_into
 from fastfeed.fetch import Fetcher, make_fetcher
+from fastfeed.resume import has_snapshot_protocol
 from fastfeed.ring import Arena, WorkerSlots
 from fastfeed.skip import drop_skipped
 
@@ -105,7 +106,7 @@ class WorkerConfig:
 
     @property
     def tracks_state(self) -> bool:
-        return self.iterable and hasattr(self.dataset, "state_dict")
+        return self.iterable and has_snapshot_protocol(self.dataset)
 
     def fetcher(self, dataset_state: Any = None, epoch: int = 0) -> Fetcher:
         if dataset_state is not None:

@@ -1,5 +1,9 @@
+import os
 import sys
 from pathlib import Path
+
+# Misusing a ring ticket (a double release) raises in tests instead of being logged.
+os.environ["FASTFEED_STRICT_RING"] = "1"
 
 import pytest
 import torch

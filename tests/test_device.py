@@ -95,7 +95,7 @@ def test_no_slot_leaks_across_epochs_on_the_device_path():
             pass
     del _batch
     gc.collect()
-    ring = loader._iterator._ring
+    ring = loader._ring
     used, allocated = ring.occupancy
     assert used == 0 and allocated <= ring.max_slots
 

@@ -154,13 +154,13 @@ def test_workers_exit_when_the_main_process_is_killed():
     shm_before = set(os.listdir("/dev/shm"))
     proc = subprocess.Popen(_script("""
         import os, signal
-        from datasets import SlowDataset
+        from sample_datasets import SlowDataset
         from fastfeed import FastLoader
         loader = FastLoader(SlowDataset(delay=0.01), batch_size=64, num_workers=2)
         it = iter(loader)
         for _ in range(5):
             next(it)
-        print(*[w.pid for w in it._workers], flush=True)
+        print(*[w.handle.pid for w in it._workers], flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
     """), stdout=subprocess.PIPE, text=True)
     pids = [int(p) for p in proc.stdout.readline().split()]
@@ -172,11 +172,11 @@ def test_workers_exit_when_the_main_process_is_killed():
 
 def test_ctrl_c_stops_cleanly():
     proc = subprocess.Popen(_script("""
-        from datasets import SlowDataset
+        from sample_datasets import SlowDataset
         from fastfeed import FastLoader
         loader = FastLoader(SlowDataset(delay=0.2), batch_size=2, num_workers=2)
         it = iter(loader)
-        print(*[w.pid for w in it._workers], flush=True)
+        print(*[w.handle.pid for w in it._workers], flush=True)
         for batch in it:
             pass
     """), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -193,11 +193,15 @@ def test_many_abandoned_iterators_leak_nothing():
     generator = torch.Generator().manual_seed(0)
     loader = FastLoader(TensorDataset(n=64), batch_size=4, num_workers=2)
 
-    def partial_epoch(stop):
+    def partial_epoch(stop, loader=loader):
         for i, _ in enumerate(loader):
             if i == stop:
                 break
 
+    partial_epoch(16)  # the whole epoch: the loader's ring reaches its size
+    with_ring = snapshot()
     for _ in range(30):
         partial_epoch(int(torch.randint(0, 17, (), generator=generator)))
+    assert_no_leaks(with_ring)
+    del loader  # the ring is the loader's: it goes with it
     assert_no_leaks(before)

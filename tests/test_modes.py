@@ -165,7 +165,7 @@ def test_log_every_prints_without_logging_configured(tmp_path):
 
     root = Path(__file__).resolve().parents[1]
     code = (f"import sys; sys.path[:0] = [{str(root)!r}, {str(root / 'tests')!r}]\n"
-            "from datasets import TensorDataset\nfrom fastfeed import FastLoader\n"
+            "from sample_datasets import TensorDataset\nfrom fastfeed import FastLoader\n"
             "list(FastLoader(TensorDataset(n=20), batch_size=2, log_every=5))")
     err = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stderr

@@ -27,7 +27,7 @@ def clone(batch):
 
 
 def ring_of(loader):
-    return loader._iterator._ring
+    return loader._ring
 
 
 def test_batches_are_views_of_ring_slots():
@@ -136,10 +136,13 @@ def test_ring_is_bounded_across_epochs():
     assert sizes[-1] <= ring_of(loader).max_slots * ring_of(loader).slot_bytes
 
 
-def test_ring_learns_size_across_non_persistent_epochs():
+def test_one_ring_serves_non_persistent_epochs():
     loader = FastLoader(TensorDataset(n=40), batch_size=4, num_workers=2)
     list(loader)
-    assert loader._learned.ring_slot_bytes > 0
+    ring = ring_of(loader)
+    assert ring.slot_bytes > 0 and ring.occupancy[1] > 0
+    list(loader)
+    assert ring_of(loader) is ring
 
 
 def test_ring_refuses_slots_larger_than_memory(monkeypatch):

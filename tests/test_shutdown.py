@@ -17,7 +17,7 @@ from fastfeed import FastLoader
 
 
 def workers_of(iterator):
-    return [handle.pid for handle in iterator._workers]
+    return [worker.handle.pid for worker in iterator._workers]
 
 
 def gone(pids):

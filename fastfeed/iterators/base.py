@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader
 from fastfeed._torch_compat import is_iterable_dataset, pin_memory
 from fastfeed.iterators.setup import IteratorSetup
 from fastfeed.resume import EpochStart, LoaderState
+from fastfeed.ring import SlotRing
 from fastfeed.telemetry import batch_length
 
 __all__ = ["BaseIterator"]
@@ -53,7 +54,8 @@ class BaseIterator:
                 stacklevel=3,
             )
         # fastfeed pins for CUDA only; other accelerators get pageable batches.
-        self._pin_memory = loader.pin_memory and torch.cuda.is_available()
+        self._pin_memory = setup.pin_batches
+        self.ring: SlotRing | None = None  # where this iterator's batches live, if anywhere
 
         self._generator = loader.generator
         resume = setup.learned.take_resume()
@@ -131,6 +133,8 @@ class BaseIterator:
         raise NotImplementedError
 
     def _pin(self, batch: Any) -> Any:
+        # Copies into torch's pinned pool, never pins the slot in place: the user drives the
+        # copy, and torch guards only the pinned memory it allocated (DESIGN.md invariant 2).
         return pin_memory(batch, "cuda") if self._pin_memory else batch
 
     def _delivered(self) -> None:

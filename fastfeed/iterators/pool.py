@@ -23,11 +23,12 @@ from torch.utils.data import DataLoader
 
 from fastfeed.autotune import CpuMeter, Window
 from fastfeed.codec import Encoded, decode
-from fastfeed.iterators.backends import WorkerHandle, make_backend
+from fastfeed.iterators.backends import make_backend
 from fastfeed.iterators.base import BaseIterator
 from fastfeed.iterators.setup import IteratorSetup
+from fastfeed.iterators.workers import WorkerState, WorkerTable
 from fastfeed.resume import LoaderState
-from fastfeed.ring import SlotRing, ring_supported
+from fastfeed.ring import Ticket
 from fastfeed.worker import Produced, Resume, WorkerConfig, WorkerDone
 
 __all__ = ["WorkerPoolIterator"]
@@ -70,10 +71,15 @@ def _reraise(wrapper: ExceptionWrapper) -> None:
 
 @dataclass
 class _Task:
+    """One index batch sent to a worker. It owns its slot's ticket until the batch is decoded
+    (the ticket becomes the batch's lease) or the task ends otherwise (the ticket is
+    released): :meth:`WorkerPoolIterator._settle` is the only place that gives one back."""
+
     worker_id: int
-    slot_id: int | None
+    ticket: Ticket | None
     result: Any = field(default=None)
-    done: bool = False
+    done: bool = False  # its result is in
+    cancelled: bool = False  # its worker's replica ended first: it never runs
     dataset_state: Any = None
 
 
@@ -91,8 +97,7 @@ class WorkerPoolIterator(BaseIterator):
         self._shutdown = False
         self._shutdown_lock = threading.Lock()
         self._epoch = 0
-        self._workers: list[WorkerHandle] = []
-        self._retired: set[int] = set()  # retired by the tuner; their ids are never reused
+        self._workers = WorkerTable()
         self._worker_init_fn = loader.worker_init_fn
         self._deterministic = setup.deterministic
         self._learned = setup.learned
@@ -104,33 +109,27 @@ class WorkerPoolIterator(BaseIterator):
         self._backend = make_backend(setup.worker_mode, loader.multiprocessing_context)
         self._telemetry.worker_mode = self._backend.kind
         self._spare_slots = _SPARE_SLOTS + setup.held_by_prefetch
-        slots = setup.ring_slots
-        self._fixed_ring_size = slots is not None
-        use_ring = self._backend.kind == "process" and ring_supported() and slots != 0
-        self._ring = (
-            SlotRing(slots if slots is not None else self._max_slots(self._num_workers),
-                     pin=setup.pin_ring, slot_bytes=self._learned.ring_slot_bytes)
-            if use_ring else None
-        )
-        self._telemetry.ring = self._ring
+        self.ring = setup.ring if self._backend.kind == "process" else None
+        self._telemetry.ring = self.ring
         try:
             for worker_id in range(self._num_workers):
                 self._start_worker(worker_id, self._resume_dataset_state(self._resume, worker_id))
         except BaseException:
             self._shutdown_workers()
             raise
+        self._size_ring()
         self._reset(loader, first_iter=True)
 
     @property
-    def _active(self) -> int:
-        return len(self._workers) - len(self._retired)
-
-    @property
     def _max_tasks(self) -> int:
-        return self._prefetch_factor * self._active
+        return self._prefetch_factor * self._workers.serving
 
-    def _max_slots(self, workers: int) -> int:
-        return self._prefetch_factor * workers + self._spare_slots
+    def _size_ring(self) -> None:
+        """Slots for every task in flight, plus the batches being decoded and held."""
+        if self.ring is not None:
+            fixed = self._setup.ring_slots
+            self.ring.max_slots = (fixed if fixed is not None else
+                                   self._max_tasks + self._spare_slots)
 
     def _start_worker(self, worker_id: int, dataset_state: Any = None,
                       num_workers: int | None = None) -> None:
@@ -148,7 +147,7 @@ class WorkerPoolIterator(BaseIterator):
             thread=self._backend.kind == "thread",
             deterministic=self._deterministic,
         )
-        self._workers.append(self._backend.start(config, self._ring))
+        self._workers.add(self._backend.start(config, self.ring))
 
     # -- epochs ------------------------------------------------------------------------------
     def _resume_dataset_state(self, resume: LoaderState | None, worker_id: int) -> Any:
@@ -165,55 +164,57 @@ class WorkerPoolIterator(BaseIterator):
     def _reset(self, loader: DataLoader, first_iter: bool = False) -> None:
         super()._reset(loader, first_iter)
         resume = self._epoch_resume
-        live = [w.worker_id for w in self._workers if w.worker_id not in self._retired]
         if not first_iter:
-            self._epoch += 1
-            self._workers_status = [w in live for w in range(len(self._workers))]
-            for worker_id in live:
-                state = self._resume_dataset_state(resume, worker_id)
-                self._workers[worker_id].index_queue.put(Resume(self._epoch, state))
-            # Results of the abandoned epoch arrive before each worker's acknowledgement.
-            acknowledged = 0
-            while acknowledged < len(live):
-                idx, result = self._get_result()
-                if isinstance(idx, Resume):
-                    acknowledged += idx.epoch == self._epoch
-                elif idx in self._tasks:
-                    self._receive(self._tasks[idx], result)
-            for task in self._tasks.values():
-                if not task.done:
-                    self._release(task.slot_id)
-            for worker_id in self._retired:  # every result of theirs is in by now
-                self._stop_worker(worker_id)
+            self._resume_workers(resume)
         self._epoch_clock = time.perf_counter()
         self._send_idx = 0
         self._rcvd_idx = 0
         self._tasks: dict[int, _Task] = {}
         self._tasks_outstanding = 0
-        self._workers_status = [w in live for w in range(len(self._workers))]
-        self._workers_num_tasks = [0] * len(self._workers)
         self._next_worker = 0  # round-robin position
-        self._done_at: dict[int, int] = {}  # worker id -> task index its replica ended at
         if resume is not None and resume.dataset_states is not None:
             # Continue the round robin where the snapshot left it.
             self._next_worker = resume.next_worker
             for worker_id, done in enumerate(resume.workers_done or []):
-                self._workers_status[worker_id] = not done
+                if done:
+                    self._workers.exhaust(worker_id, at=-1)
         for _ in range(self._max_tasks):
             self._try_put_index()
+
+    def _resume_workers(self, resume: LoaderState | None) -> None:
+        """Persistent workers: start the next epoch once every result of this one (finished
+        or abandoned) is in."""
+        self._epoch += 1
+        resumed = self._workers.resumable()
+        for worker_id in resumed:
+            state = self._resume_dataset_state(resume, worker_id)
+            self._workers[worker_id].handle.index_queue.put(Resume(self._epoch, state))
+        # Each worker answers its tasks before its acknowledgement; a retiring worker gets no
+        # Resume, so wait until it has answered its last task too.
+        acknowledged = 0
+        while acknowledged < len(resumed) or self._workers.retiring_owe():
+            idx, result = self._get_result()
+            if isinstance(idx, Resume):
+                acknowledged += idx.epoch == self._epoch
+            elif idx in self._tasks:
+                self._answered(idx, result)
+        for task in self._tasks.values():
+            self._settle(task)  # results not delivered: their leases die with the tasks
+        for worker_id in resumed:
+            self._workers.resume(worker_id)
 
     # -- dispatch ----------------------------------------------------------------------------
     def _pick_worker(self) -> int | None:
         """The next active worker in round-robin order with room for a task, if any."""
         count = len(self._workers)
+        active = self._workers.active_count()
         for _ in range(count):
             worker_id = self._next_worker % count
             self._next_worker = worker_id + 1
-            if not self._workers_status[worker_id]:
+            worker = self._workers[worker_id]
+            if worker.state is not WorkerState.ACTIVE:
                 continue
-            if self._in_order:
-                return worker_id
-            if self._workers_num_tasks[worker_id] < self._max_tasks // sum(self._workers_status):
+            if self._in_order or worker.outstanding < self._max_tasks // active:
                 return worker_id
         return None
 
@@ -227,26 +228,35 @@ class WorkerPoolIterator(BaseIterator):
         worker_id = self._pick_worker()
         if worker_id is None:
             return
-        slot_id = self._acquire_slot()
-        self._workers[worker_id].index_queue.put((self._send_idx, index, slot_id))
-        self._tasks[self._send_idx] = _Task(worker_id, slot_id)
-        self._workers_num_tasks[worker_id] += 1
+        ticket = self._acquire_ticket()
+        slot_id = None if ticket is None else ticket.slot_id
+        self._workers[worker_id].handle.index_queue.put((self._send_idx, index, slot_id))
+        self._tasks[self._send_idx] = _Task(worker_id, ticket)
+        self._workers.assign(worker_id)
         self._tasks_outstanding += 1
         self._send_idx += 1
 
-    def _acquire_slot(self) -> int | None:
-        if self._ring is None:
+    def _acquire_ticket(self) -> Ticket | None:
+        if self.ring is None:
             return None
-        slot, created, retired = self._ring.acquire()
+        ticket, created, retired = self.ring.acquire()
         if created or retired:
-            for handle in self._workers:
-                if handle.worker_id not in self._retired:
-                    self._backend.announce(handle, created, retired)
-        return None if slot is None else slot.slot_id
+            for worker in self._workers.mapping_slots():
+                self._backend.announce(worker.handle, created, retired)
+        return ticket
 
-    def _release(self, slot_id: int | None) -> None:
-        if slot_id is not None and self._ring is not None:
-            self._ring.release(slot_id)
+    def _settle(self, task: _Task, result: Encoded | None = None) -> Any:
+        """End the task's hold on its slot, exactly once: lease it to ``result``'s batch, or
+        give it back. Returns the decoded batch."""
+        ticket, task.ticket = task.ticket, None
+        lease = None
+        if ticket is not None:
+            assert self.ring is not None
+            if result is not None and result.slot_id == ticket.slot_id:
+                lease = self.ring.lease(ticket)
+            else:
+                self.ring.release(ticket)
+        return None if result is None else decode(result, lease)
 
     # -- receive -----------------------------------------------------------------------------
     def _get_result(self) -> tuple[Any, Any]:
@@ -264,18 +274,18 @@ class WorkerPoolIterator(BaseIterator):
                 raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds")
 
     def _check_workers(self, wait: float = 0.0) -> None:
-        """Raise if an active worker has died, waiting up to ``wait`` s for one that is dying."""
+        """Raise if a worker that should be running has died, waiting up to ``wait`` s for
+        one that is dying."""
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline and all(
-            h.exit_reason() is None for h in self._workers
+            w.handle.exit_reason() is None for w in self._workers
         ):
             time.sleep(0.02)
-        for handle in self._workers:
-            reason = handle.exit_reason()
-            # A retired worker exits normally, but only once its queued tasks are done.
-            expected = (self._workers_status[handle.worker_id]
-                        or self._workers_num_tasks[handle.worker_id] > 0)
-            if expected and reason is not None:
+        for worker in self._workers:
+            reason = worker.handle.exit_reason()
+            # Stopped workers exit normally: only once every task of theirs was answered.
+            if reason is not None and worker.state is not WorkerState.STOPPED:
+                handle = worker.handle
                 message = (f"DataLoader worker {handle.worker_id} (pid {handle.pid}) exited "
                            f"unexpectedly: {reason}")
                 self._shutdown_workers()
@@ -285,11 +295,9 @@ class WorkerPoolIterator(BaseIterator):
         while True:
             while self._rcvd_idx < self._send_idx:
                 task = self._tasks.get(self._rcvd_idx)
-                if task is not None:
-                    if task.done or task.worker_id not in self._done_at:
-                        break
-                    # its worker's IterableDataset replica ended; the task never ran
-                    self._release(self._tasks.pop(self._rcvd_idx).slot_id)
+                if task is not None and not task.cancelled:
+                    break
+                self._tasks.pop(self._rcvd_idx, None)
                 self._rcvd_idx += 1
             else:
                 self._epoch_finished()
@@ -303,18 +311,10 @@ class WorkerPoolIterator(BaseIterator):
 
             assert not self._shutdown and self._tasks_outstanding > 0
             idx, result = self._get_result()
-            self._tasks_outstanding -= 1
-            arrived = self._tasks[idx]
-            if isinstance(result, WorkerDone):
-                self._release(arrived.slot_id)
-                self._done_at[result.worker_id] = idx
-                if self._persistent_workers:
-                    self._workers_status[result.worker_id] = False
-                else:
-                    self._stop_worker(result.worker_id)
+            arrived = self._answered(idx, result)
+            if arrived.cancelled:  # the replica of its worker ended
                 self._try_put_index()
                 continue
-            self._receive(arrived, result)
             if idx == self._rcvd_idx or not self._in_order:
                 del self._tasks[idx]
                 if idx == self._rcvd_idx:
@@ -328,12 +328,42 @@ class WorkerPoolIterator(BaseIterator):
         if not self._persistent_workers:
             self._shutdown_workers()
 
+    def _answered(self, idx: int, result: Any) -> _Task:
+        """Book a worker's answer to task ``idx`` and decode it at once: shared memory sent
+        outside the ring is fetched from the worker, which may exit (an exhausted
+        IterableDataset replica) before this batch's turn comes."""
+        task = self._tasks[idx]
+        self._tasks_outstanding -= 1
+        if isinstance(result, WorkerDone):
+            self._workers.answered(task.worker_id)
+            self._replica_ended(idx, task)
+            return task
+        try:
+            self._receive(task, result)
+        finally:
+            if self._workers.answered(task.worker_id):
+                self._stop_worker(task.worker_id)  # a retiring worker's last task: it may exit
+        return task
+
+    def _replica_ended(self, idx: int, task: _Task) -> None:
+        """The worker's IterableDataset replica ended at task ``idx``: that task and the later
+        ones sent to the same worker never run. Cancel them, as torch skips them."""
+        worker_id = task.worker_id
+        for other in self._tasks.values():
+            if other.worker_id == worker_id and not other.done and not other.cancelled:
+                other.cancelled = True
+                self._settle(other)
+                if other is not task:
+                    self._tasks_outstanding -= 1
+                    self._workers.answered(worker_id)
+        self._workers.exhaust(worker_id, at=idx)
+        if not self._persistent_workers:
+            self._stop_worker(worker_id)
+
     def _receive(self, task: _Task, result: Any) -> None:
-        # Decode at once: shared memory sent outside the ring is fetched from the worker, which
-        # may exit (an exhausted IterableDataset replica) before this batch's turn comes.
         task.done = True
         if not isinstance(result, Produced):
-            self._release(task.slot_id)
+            self._settle(task)
             task.result = result
             return
         task.dataset_state = result.dataset_state
@@ -344,21 +374,17 @@ class WorkerPoolIterator(BaseIterator):
         if not isinstance(result.batch, Encoded):  # from a thread: the batch itself
             task.result = result.batch
             return
-        if self._ring is not None:
-            self._ring.note_required(result.batch.required)
+        if self.ring is not None:
+            self.ring.note_required(result.batch.required)
         try:
-            task.result = decode(result.batch, self._ring)  # the batch holds the slot's lease
+            task.result = self._settle(task, result.batch)  # the batch holds the slot's lease
         except (OSError, EOFError):
             # Shared memory outside the ring is fetched from its worker: if that worker died,
             # say so rather than surface a socket error.
-            self._release(task.slot_id)
             self._check_workers(wait=2.0)
             raise
 
     def _process(self, task: _Task) -> Any:
-        self._workers_num_tasks[task.worker_id] -= 1
-        if task.worker_id in self._retired and not self._workers_num_tasks[task.worker_id]:
-            self._stop_worker(task.worker_id)  # its last batch is in: it may exit now
         self._try_put_index()
         if isinstance(task.result, ExceptionWrapper):
             _reraise(task.result)
@@ -369,12 +395,13 @@ class WorkerPoolIterator(BaseIterator):
     def _round_robin_position(self) -> dict[str, Any]:
         if not self._iterable:
             return {}
-        pending = [idx for idx in self._tasks if idx >= self._rcvd_idx]
+        pending = [idx for idx, task in self._tasks.items()
+                   if idx >= self._rcvd_idx and not task.cancelled]
         upcoming = min(pending, default=self._send_idx)
         return {
             "next_worker": self._tasks[upcoming].worker_id if pending else 0,
-            "workers_done": [self._done_at.get(w, upcoming) < upcoming
-                             for w in range(len(self._workers))],
+            "workers_done": [w.exhausted_at is not None and w.exhausted_at < upcoming
+                             for w in self._workers],
         }
 
     # -- auto-tuning -------------------------------------------------------------------------
@@ -397,49 +424,39 @@ class WorkerPoolIterator(BaseIterator):
         window = Window(batches / elapsed, min(1.0, (waited - start_waited) / elapsed),
                         self._cpu.idle_cores())
         wanted = self._tuner.observe(window)
-        if wanted != self._active:
+        if wanted != self._workers.serving:
             self._telemetry.decision(self._tuner.log[-1])
             self._resize(wanted)
 
     def _resize(self, wanted: int) -> None:
-        while self._active < wanted:
-            self._start_worker(len(self._workers), num_workers=self._active + 1)
-            self._workers_status.append(True)
-            self._workers_num_tasks.append(0)
-        while self._active > wanted:
+        while self._workers.serving < wanted:
+            self._start_worker(len(self._workers), num_workers=self._workers.serving + 1)
+        while self._workers.serving > wanted:
             # The newest active worker gets no more tasks, and exits once the main process
             # has received its last batch: a batch outside the ring is fetched from the
             # worker that made it, which must still be alive then.
-            worker_id = max(set(range(len(self._workers))) - self._retired)
-            self._retired.add(worker_id)
-            self._workers_status[worker_id] = False
-            if not self._workers_num_tasks[worker_id]:
+            worker_id = self._workers.newest_serving()
+            if self._workers.retire(worker_id):
                 self._stop_worker(worker_id)
-        if self._ring is not None and not self._fixed_ring_size:
-            self._ring.max_slots = self._max_slots(self._active)
-        self._learned.workers = self._active  # where the next epoch's workers start
+        self._size_ring()
+        self._learned.workers = self._workers.serving  # where the next epoch's workers start
         for _ in range(self._max_tasks):
             self._try_put_index()
 
     # -- shutdown ----------------------------------------------------------------------------
     def _stop_worker(self, worker_id: int) -> None:
-        self._workers[worker_id].index_queue.put(None)
-        self._workers_status[worker_id] = False
+        self._workers.stop(worker_id)
+        self._workers[worker_id].handle.index_queue.put(None)
 
     def _shutdown_workers(self, wait: bool = True) -> None:
         # Once, from whichever thread gets here first: __del__ can run in any thread that
-        # happens to trigger garbage collection.
+        # happens to trigger garbage collection. The ring is the loader's: it outlives this.
         if _python_exiting or os.getpid() != self._owner_pid:
             return
         if not self._shutdown_lock.acquire(blocking=False):
             return
         self._shutdown = True
-        try:
-            self._backend.shutdown(self._workers, wait=wait)
-        finally:
-            if self._ring is not None:
-                self._learned.ring_slot_bytes = self._ring.slot_bytes
-                self._ring.close()
+        self._backend.shutdown([w.handle for w in self._workers], wait=wait)
 
     def close(self) -> None:
         self._shutdown_workers()

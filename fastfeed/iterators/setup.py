@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from fastfeed.autotune import WorkerTuner
 from fastfeed.resume import LoaderState
+from fastfeed.ring import SlotRing
 from fastfeed.telemetry import Telemetry
 
 __all__ = ["IteratorSetup", "Learned"]
@@ -21,7 +22,6 @@ class Learned:
     """What one iterator learns for the next iterators of the same loader. Owned by the
     loader; holds no reference to it, so an iterator keeping it makes no cycle."""
 
-    ring_slot_bytes: int = 0  # so that later epochs' rings start at the right size
     epoch_rates: dict[str, float] = field(default_factory=dict)  # first epoch, per worker mode
     workers: int | None = None  # where the tuner settled
     tuner: WorkerTuner | None = None  # one per loader: its bounds hold across epochs
@@ -40,7 +40,8 @@ class IteratorSetup:
     learned: Learned
     worker_mode: str = "process"  # "process" or "thread" ("auto" is resolved by the loader)
     tuner: WorkerTuner | None = None
-    pin_ring: bool = False  # page-lock the ring's slots: batches are headed for CUDA
+    ring: SlotRing | None = None  # the loader's ring, for process workers
+    pin_batches: bool = False  # pin_memory=True: copy batches into torch's pinned memory
     held_by_prefetch: int = 0  # host batches a device prefetcher holds on to
     ring_slots: int | None = None
     deterministic: bool = False

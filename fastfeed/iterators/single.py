@@ -10,6 +10,7 @@ from torch.utils.data import DataLoader
 from fastfeed.fetch import make_fetcher
 from fastfeed.iterators.base import BaseIterator
 from fastfeed.iterators.setup import IteratorSetup
+from fastfeed.resume import has_snapshot_protocol
 from fastfeed.skip import drop_skipped
 
 __all__ = ["SingleProcessIterator"]
@@ -28,7 +29,7 @@ class SingleProcessIterator(BaseIterator):
 
     def _reset(self, loader: DataLoader, first_iter: bool = False) -> None:
         super()._reset(loader, first_iter)
-        self._tracks_state = self._iterable and hasattr(self._dataset, "state_dict")
+        self._tracks_state = self._iterable and has_snapshot_protocol(self._dataset)
         if self._tracks_state and self._dataset_states[0] is not None:
             self._dataset.load_state_dict(self._dataset_states[0])  # type: ignore[attr-defined]
         self._fetcher = make_fetcher(

@@ -1,0 +1,125 @@
+"""Page-locking ring slots for one CUDA device (``cudaHostRegister``), failing soft.
+
+Registering is done only for loaders that copy batches to a CUDA device themselves
+(``device="cuda"``): fastfeed then owns every copy out of a slot and fences the slot until
+the copy's event completes (see :mod:`fastfeed.ring`). Memory the user copies from
+(``pin_memory=True``) is never a registered slot: torch protects only the pinned memory its
+own allocator handed out.
+
+Three CUDA rules live here:
+
+* Registration runs under a guard for the loader's device, so that a rank does not create a
+  context on GPU 0 (the current device of a fresh process).
+* A failed registration's error is read back (``cudaGetLastError``); left unread, torch's
+  next kernel-launch check would report it against an unrelated kernel.
+* A slot that could not be registered is reported once; copies from it are then staged
+  through torch's pinned pool (:func:`fastfeed.device.pinned_source`), never silently
+  synchronous.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+__all__ = ["CudaRuntime", "Pinner", "TorchCudaRuntime"]
+
+logger = logging.getLogger(__name__)
+
+
+class CudaRuntime(Protocol):
+    """The few CUDA runtime calls pinning needs (a fake one stands in for it in tests)."""
+
+    def device(self, index: int) -> contextlib.AbstractContextManager[Any]: ...
+
+    def host_register(self, address: int, nbytes: int) -> int: ...
+
+    def host_unregister(self, address: int) -> None: ...
+
+    def clear_error(self) -> None: ...
+
+
+def _loaded_cudart() -> Any:
+    """The CUDA runtime library torch loaded into this process, or None."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libcudart.so" in line}
+    except OSError:
+        return None
+    for path in sorted(paths):
+        with contextlib.suppress(OSError):
+            return ctypes.CDLL(path)
+    return None
+
+
+class TorchCudaRuntime:
+    """torch's bindings of the CUDA runtime (``torch.cuda.cudart()``)."""
+
+    def __init__(self) -> None:
+        self._cudart = torch.cuda.cudart()
+        self._library: Any = None
+
+    def device(self, index: int) -> contextlib.AbstractContextManager[Any]:
+        return torch.cuda.device(index)
+
+    def host_register(self, address: int, nbytes: int) -> int:
+        return int(self._cudart.cudaHostRegister(address, nbytes, 0))
+
+    def host_unregister(self, address: int) -> None:
+        self._cudart.cudaHostUnregister(address)
+
+    def clear_error(self) -> None:
+        # torch binds no cudaGetLastError; the runtime it loaded has one.
+        if self._library is None:
+            self._library = _loaded_cudart()
+        if self._library is not None:
+            self._library.cudaGetLastError()
+
+
+@dataclass
+class Pinner:
+    """Page-locks host arrays for CUDA device ``device_index``.
+
+    Args:
+        device_index: the device the pinned memory is copied to.
+        runtime: the CUDA runtime; ``None`` means torch's, bound on first use.
+    """
+
+    device_index: int
+    runtime: CudaRuntime | None = field(default=None, repr=False, compare=False)
+    failures: int = field(default=0, compare=False)
+
+    def register(self, array: np.ndarray) -> bool:
+        """Page-lock ``array`` until it is garbage-collected; False (logged) if CUDA refuses."""
+        if self.runtime is None:
+            self.runtime = TorchCudaRuntime()
+        runtime = self.runtime
+        address = int(array.ctypes.data)
+        with runtime.device(self.device_index):
+            error = runtime.host_register(address, array.nbytes)
+            if error != 0:
+                runtime.clear_error()
+        if error != 0:
+            self.failures += 1
+            if self.failures == 1:
+                logger.warning("cudaHostRegister failed (error %d) for a %d-byte ring slot; "
+                               "copies from it are staged through torch's pinned memory",
+                               error, array.nbytes)
+            return False
+        weakref.finalize(array, _unregister, runtime, self.device_index, address).atexit = False
+        return True
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"device_index": self.device_index, "runtime": None, "failures": 0}
+
+
+def _unregister(runtime: CudaRuntime, device_index: int, address: int) -> None:
+    with runtime.device(device_index):
+        runtime.host_unregister(address)
