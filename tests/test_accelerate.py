@@ -12,8 +12,10 @@ import sys
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 pytestmark = pytest.mark.clients
 try:
@@ -28,8 +30,17 @@ from torchvision.transforms import v2  # noqa: E402
 
 from fastfeed import FastLoader  # noqa: E402
 from fastfeed.vision import ImageFolder as FastImageFolder  # noqa: E402
-from fastfeed.vision.accelerate import FusedTransform, accelerate, batch_tail  # noqa: E402
+from fastfeed.vision.accelerate import (  # noqa: E402
+    BatchTail,
+    FusedTransform,
+    accelerate,
+    batch_tail,
+    deferred_for_device,
+)
 from fastfeed.vision.synthetic import make_image, make_imagefolder  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.recipes_pipeline import ReferencePresetEval, ReferencePresetTrain  # noqa: E402
 
 MEAN, STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
 
@@ -52,7 +63,40 @@ PIPELINES = {
                                    v2.Normalize(MEAN, STD)]),
     "v2-crop-after-flip": lambda: v2.Compose([v2.RandomHorizontalFlip(), v2.CenterCrop(100),
                                               v2.RandomResizedCrop(64), v2.ToImage()]),
+    # A prefix, then the user's own tail on the object the prefix gives.
+    "v1-jitter": lambda: T.Compose([T.RandomResizedCrop(224), T.RandomHorizontalFlip(),
+                                    T.ColorJitter(0.4, 0.4, 0.4, 0.1), T.ToTensor(),
+                                    T.Normalize(MEAN, STD)]),
+    "v1-pil-output": lambda: T.Compose([T.RandomResizedCrop(96), T.RandomHorizontalFlip()]),
+    "v1-bicubic": lambda: T.Compose([T.Resize(256, interpolation=T.InterpolationMode.BICUBIC),
+                                     T.CenterCrop(224), T.PILToTensor()]),
+    "v1-erasing": lambda: T.Compose([T.RandomResizedCrop(128), T.RandomHorizontalFlip(),
+                                     T.PILToTensor(), T.ConvertImageDtype(torch.float32),
+                                     T.Normalize(MEAN, STD), T.RandomErasing(p=0.7)]),
+    "v1-geometry-in-tail": lambda: T.Compose([T.ToTensor(), T.Normalize(MEAN, STD),
+                                              T.RandomResizedCrop(64)]),
+    "v2-trivialaugment": lambda: v2.Compose([v2.RandomResizedCrop(128),
+                                             v2.RandomHorizontalFlip(),
+                                             v2.TrivialAugmentWide(), v2.PILToTensor()]),
+    "v2-reference": lambda: v2.Compose([v2.RandomResizedCrop(176, antialias=True),
+                                        v2.RandomHorizontalFlip(), v2.PILToTensor(),
+                                        v2.ToDtype(torch.float, scale=True),
+                                        v2.Normalize(MEAN, STD), v2.RandomErasing(0.5),
+                                        v2.ToPureTensor()]),
+    # torchvision's reference presets: a Compose in `.transforms`, called through.
+    "reference-train": lambda: ReferencePresetTrain(176, random_erase_prob=0.5),
+    "reference-eval": ReferencePresetEval,
+    # Tails that can run on whole batches.
+    "reference-train-batchable": lambda: ReferencePresetTrain(176),
+    "v2-batchable": lambda: v2.Compose([v2.RandomResizedCrop(176), v2.RandomHorizontalFlip(),
+                                        v2.PILToTensor(), v2.ToDtype(torch.float, scale=True),
+                                        v2.Normalize(MEAN, STD), v2.ToPureTensor()]),
 }
+
+
+# Auto-augment ops quantise (posterize, solarize, equalize): a fraction of a grey level in
+# their input can move a pixel by many. The draws must still be the same.
+GREY_LEVELS = {"v2-trivialaugment": 8.0}
 
 
 @pytest.fixture(scope="module")
@@ -67,10 +111,12 @@ def root(tmp_path_factory):
 
 def grey_levels(stock, fast, transform):
     """Mean |Δ| in 0–255 grey levels, with Normalize undone."""
+    if isinstance(stock, Image.Image):
+        stock, fast = T.functional.pil_to_tensor(stock), T.functional.pil_to_tensor(fast)
     a, b = stock.float(), fast.float()
     if stock.is_floating_point():
         a, b = a * 255, b * 255
-        if "Normalize" in repr(transform):
+        if "Normalize" in repr(getattr(transform, "transforms", transform)):
             std = torch.tensor(STD).view(3, 1, 1)
             a, b = a * std, b * std
     return float((a - b).abs().mean())
@@ -109,20 +155,44 @@ def test_same_draws_labels_and_close_pixels(name, root, monkeypatch):
         warnings.simplefilter("error")
         fast = accelerate(stock)
     assert isinstance(fast.transform, FusedTransform)
-    recorder = Recorder(monkeypatch)
+    assert_same_as_stock(stock, fast, Recorder(monkeypatch), GREY_LEVELS.get(name, 2.0))
+
+
+def seed_all(seed):
+    """What a DataLoader worker seeds: torch's, Python's and numpy's generators."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
+
+
+def rng_states():
+    return torch.get_rng_state(), random.getstate(), np.random.get_state()[1]
+
+
+def assert_same_as_stock(stock, fast, recorder, max_grey_levels=2.0):
+    """Every item, stock then accelerated from the same seeds: the same draws (recorded crop
+    windows, and the generators' states after the item), labels, type, dtype and shape, and
+    pixels within ``max_grey_levels`` on average."""
     for index in range(len(stock)):
-        torch.manual_seed(index)
+        seed_all(index)
         image, target = stock[index]
-        stock_draws, stock_rng = recorder.take(), torch.get_rng_state()
-        torch.manual_seed(index)
+        stock_draws, (torch_state, python_state, numpy_state) = recorder.take(), rng_states()
+        seed_all(index)
         fast_image, fast_target = fast[index]
         assert recorder.take() == stock_draws
-        assert torch.equal(torch.get_rng_state(), stock_rng), "a different number of draws"
+        fast_torch, fast_python, fast_numpy = rng_states()
+        assert torch.equal(fast_torch, torch_state), "a different number of torch draws"
+        assert fast_python == python_state, "a different number of Python random draws"
+        assert np.array_equal(fast_numpy, numpy_state), "a different number of numpy draws"
         assert fast_target == target
         assert type(fast_image) is type(image)
-        assert fast_image.dtype == image.dtype and fast_image.shape == image.shape
-        assert fast_image.is_contiguous()
-        assert grey_levels(image, fast_image, transform) <= 2.0, stock.samples[index][0]
+        if isinstance(image, Image.Image):
+            assert fast_image.mode == image.mode and fast_image.size == image.size
+        else:
+            assert fast_image.dtype == image.dtype and fast_image.shape == image.shape
+            assert fast_image.is_contiguous() or not image.is_contiguous()
+        assert grey_levels(image, fast_image, stock.transform) <= max_grey_levels, \
+            stock.samples[index][0]
 
 
 def test_flip_is_the_same_draw(root):
@@ -171,16 +241,37 @@ class OwnGetItem(datasets.ImageFolder):
         return super().__getitem__(index)
 
 
+class DoesMore:
+    """A wrapper holding a Compose that does more than call it: not taken apart."""
+
+    def __init__(self):
+        self.transforms = T.Compose([T.RandomResizedCrop(64), T.PILToTensor()])
+
+    def __call__(self, image):
+        return self.transforms(image).flip(-1)
+
+
+def test_the_prefix_and_the_users_tail(root):
+    """What runs the fast way and what the user's own objects run, for the common shapes."""
+    fast = accelerate(datasets.ImageFolder(str(root), transform=PIPELINES["v1-jitter"]()))
+    plan = fast.transform.plan
+    assert [name for name, _ in plan.geometry] == ["RandomResizedCrop", "RandomHorizontalFlip"]
+    assert plan.conversion is None, "ColorJitter is handed a PIL image"
+    assert [type(t).__name__ for t in plan.tail] == ["ColorJitter", "ToTensor", "Normalize"]
+    preset = ReferencePresetTrain(random_erase_prob=0.5)
+    plan = accelerate(datasets.ImageFolder(str(root), transform=preset)).transform.plan
+    assert plan.conversion[0] == "PILToTensor"
+    assert plan.tail == list(preset.transforms.transforms[3:]), "the user's own objects"
+
+
 @pytest.mark.parametrize(("make", "named"), [
     (lambda r: datasets.ImageFolder(r, transform=T.Compose([
-        T.RandomResizedCrop(64), T.ColorJitter(0.4), T.ToTensor()])), "ColorJitter"),
+        T.ColorJitter(0.4), T.RandomResizedCrop(64), T.ToTensor()])), "ColorJitter"),
     (lambda r: datasets.ImageFolder(r, transform=T.Compose([
         T.Lambda(lambda x: x), T.ToTensor()])), "Lambda"),
     (lambda r: datasets.ImageFolder(r, transform=T.Compose([
-        T.Resize(64, interpolation=T.InterpolationMode.BICUBIC), T.ToTensor()])), "BICUBIC"),
-    (lambda r: datasets.ImageFolder(r, transform=T.Compose([
-        T.ToTensor(), T.Normalize(MEAN, STD), T.RandomResizedCrop(64)])), "RandomResizedCrop"),
-    (lambda r: datasets.ImageFolder(r, transform=T.RandomResizedCrop(64)), "PIL images"),
+        T.Resize(64, interpolation=T.InterpolationMode.NEAREST), T.ToTensor()])), "NEAREST"),
+    (lambda r: datasets.ImageFolder(r, transform=DoesMore()), "DoesMore"),
     (lambda r: datasets.ImageFolder(r), "transform=None"),
     (lambda r: datasets.ImageFolder(r, transform=T.ToTensor(),
                                     loader=lambda p: Image.open(p).convert("RGB")), "loader="),
@@ -218,15 +309,22 @@ def test_batches_match_torch_dataloader_side_by_side(name, root):
             assert float(((images - fast_images).float() * scale).abs().mean()) <= 2.0
 
 
-@pytest.mark.parametrize("name", ["v1-train", "v2-eval", "v1-uint8"])
-def test_deferred_tail_gives_identical_values(name, root):
+@pytest.mark.parametrize(("name", "defer"), [
+    ("v1-train", "defer_tail"), ("v2-eval", "defer_tail"), ("v1-uint8", "defer_tail"),
+    ("reference-train-batchable", "for_device"), ("v2-batchable", "for_device"),
+    ("v1-train", "for_device")])
+def test_deferred_tail_gives_identical_values(name, defer, root):
     stock = datasets.ImageFolder(str(root), transform=PIPELINES[name]())
     kwargs = {"batch_size": 5, "shuffle": True, "num_workers": 2}
     per_sample = FastLoader(accelerate(stock), generator=torch.Generator().manual_seed(1),
                             **kwargs)
-    deferred = accelerate(stock, defer_tail=True)
+    if defer == "defer_tail":
+        deferred = accelerate(stock, defer_tail=True)
+        tail = batch_tail(deferred)
+    else:
+        deferred, tail = deferred_for_device(accelerate(stock))
     on_device = FastLoader(deferred, generator=torch.Generator().manual_seed(1), device="cpu",
-                           gpu_transform=batch_tail(deferred), **kwargs)
+                           gpu_transform=tail, **kwargs)
     for (images, targets), (device_images, device_targets) in zip(per_sample, on_device,
                                                                   strict=True):
         assert torch.equal(targets, device_targets)
@@ -239,6 +337,94 @@ def test_batch_tail_needs_a_deferred_dataset(root):
     fast = accelerate(datasets.ImageFolder(str(root), transform=T.ToTensor()))
     with pytest.raises(ValueError, match="defer_tail=True"):
         batch_tail(fast)
+
+
+@pytest.mark.parametrize(("name", "per_sample"), [
+    ("v1-jitter", "PIL"), ("v1-erasing", "RandomErasing"), ("reference-train", "RandomErasing"),
+    ("v1-pil-output", "PIL")])
+def test_a_per_sample_tail_is_not_deferred(name, per_sample, root):
+    """The decision a loader with a device makes, and what defer_tail=True does, when a piece
+    of the tail must run per sample: items keep the user's output."""
+    stock = datasets.ImageFolder(str(root), transform=PIPELINES[name]())
+    assert deferred_for_device(accelerate(stock)) is None
+    with pytest.warns(UserWarning, match=f"defer_tail=True ignored.*{per_sample}"):
+        fast = accelerate(stock, defer_tail=True)
+    assert not fast.transform.defer_tail
+    with pytest.raises(ValueError, match="defer_tail=True"):
+        batch_tail(fast)
+
+
+def test_deferral_decision(root):
+    """Only an accelerated dataset, not already deferred, with a batchable tail."""
+    stock = datasets.ImageFolder(str(root), transform=PIPELINES["v1-train"]())
+    assert deferred_for_device(stock) is None
+    assert deferred_for_device(accelerate(stock, defer_tail=True)) is None
+    fast = accelerate(stock)
+    deferred, tail = deferred_for_device(fast)
+    assert isinstance(tail, BatchTail) and deferred.transform.defer_tail
+    assert not fast.transform.defer_tail and deferred.samples == fast.samples
+    assert deferred[0][0].dtype == torch.uint8
+
+
+class HostTraffic(TorchDispatchMode):
+    """Records ops that read device data on the host or bring host data to the device."""
+
+    def __init__(self):
+        super().__init__()
+        self.events = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        inputs = [a for a in torch.utils._pytree.tree_leaves((args, kwargs))
+                  if isinstance(a, torch.Tensor)]
+        outputs = [o for o in torch.utils._pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
+        if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default):
+            self.events.append(f"host read: {func}")
+        elif any(i.device.type == "cpu" for i in inputs) and any(
+                o.device.type == "meta" for o in outputs):
+            self.events.append(f"host-to-device: {func}")
+        return out
+
+
+@pytest.mark.parametrize("name", ["v1-train", "v2-batchable", "reference-train-batchable"])
+def test_batch_tail_is_sync_free(name, root):
+    """Issue 23, finding 8. On the "meta" device (a stand-in for CUDA: data-dependent host
+    reads raise there), the deferred tail reads nothing back (torchvision's Normalize checks
+    ``(std == 0).any()`` every call) and copies mean/std to the device once, not per batch."""
+    stock = datasets.ImageFolder(str(root), transform=PIPELINES[name]())
+    _, tail = deferred_for_device(accelerate(stock))
+    batch = [torch.empty(4, 3, 8, 8, dtype=torch.uint8, device="meta"), torch.zeros(4)]
+    tail(batch)  # the first batch makes mean and std on the device
+    with HostTraffic() as traffic:
+        for _ in range(3):
+            images, _ = tail(batch)
+    assert traffic.events == [] and images.device.type == "meta"
+    with pytest.raises((RuntimeError, NotImplementedError)):  # what the test catches
+        T.Normalize(MEAN, STD)(torch.empty(4, 3, 8, 8, device="meta"))
+
+
+def test_batch_tail_normalizes_as_torchvision(root):
+    """The same values as torchvision's Normalize (v1 and v2, tensor mean/std as timm passes),
+    its zero-std error, and v2's output type."""
+    images = torch.rand(4, 3, 8, 8)
+    for normalize in (T.Normalize(MEAN, STD), v2.Normalize(MEAN, STD),
+                      T.Normalize(torch.tensor(MEAN), torch.tensor(STD))):
+        stock = datasets.ImageFolder(str(root), transform=T.Compose([T.ToTensor(), normalize]))
+        _, tail = deferred_for_device(accelerate(stock))
+        got, _ = tail([(images * 255).round().to(torch.uint8), None])
+        assert torch.equal(got, normalize(T.ConvertImageDtype(torch.float)(
+            (images * 255).round().to(torch.uint8))))
+    stock = datasets.ImageFolder(str(root), transform=v2.Compose([
+        v2.ToImage(), v2.ToDtype(torch.float32, scale=True), v2.Normalize(MEAN, STD)]))
+    _, tail = deferred_for_device(accelerate(stock))
+    got, _ = tail([torch.zeros(2, 3, 4, 4, dtype=torch.uint8), None])
+    assert type(got).__name__ == "Image"
+    stock = datasets.ImageFolder(str(root), transform=T.Compose([
+        T.ToTensor(), T.Normalize(MEAN, [0.2, 0.0, 0.2])]))
+    _, tail = deferred_for_device(accelerate(stock))
+    with pytest.raises(ValueError, match="std evaluated to zero"):
+        tail([torch.zeros(2, 3, 4, 4, dtype=torch.uint8), None])
 
 
 def test_spawned_workers_and_a_corrupt_file(root, tmp_path):

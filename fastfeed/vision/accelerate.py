@@ -1,28 +1,36 @@
 """``accelerate``: speed up a user's own torchvision ``ImageFolder`` without changing it.
 
 A classic torchvision pipeline decodes the whole JPEG with Pillow, then crops and resizes it.
-:func:`accelerate` recognises the common transforms and runs the same pipeline the fast way:
-the crop windows and flips come from the *user's transform objects* with torchvision's own
-random draws, in the same order, so labels, order and augmentation parameters equal the
-stock pipeline's for the same seed. Only the pixels are made differently: just the window of
-the JPEG is decoded, at the coarsest DCT scale that keeps it at least the output size, then
-resized with torch's antialiased bilinear uint8 kernel (:mod:`fastfeed.vision.decode`), a
-few grey levels from Pillow's result.
+:func:`accelerate` recognises the pipeline's leading crop and resize and runs that *prefix* the
+fast way: the crop windows and flips come from the *user's transform objects* with their own
+random draws (torchvision's from torch's generator, timm's from Python's ``random``), in the
+same order, so labels, order and augmentation parameters equal the stock pipeline's for the
+same seed. Only the pixels are made differently: just the window of the JPEG is decoded, at the
+coarsest DCT scale that keeps it at least the output size, then resized with torch's
+antialiased uint8 kernel (:mod:`fastfeed.vision.decode`), a few grey levels from Pillow's result.
 
 The plan is compiled once, from the transform objects, into :class:`FusedTransform`:
 
-- geometry (``RandomResizedCrop``, ``Resize``, ``CenterCrop``, ``RandomHorizontalFlip``) is
-  folded into one source window, one output size and a flip;
-- the conversion (``ToTensor``, ``PILToTensor``, ``ToImage``) turns the uint8 CHW result into
-  what that transform returns;
-- the tail (``ToDtype``, ``ConvertImageDtype``, ``Normalize``) is the user's own objects, run
-  on that tensor: the same ops in the same order.
+- the prefix's geometry (``RandomResizedCrop``, timm's ``RandomResizedCropAndInterpolation``,
+  ``Resize``, ``CenterCrop``, ``RandomHorizontalFlip``) is folded into one source window, one
+  output size and a flip;
+- a conversion in the prefix (``ToTensor``, ``PILToTensor``, ``ToImage``, timm's
+  ``MaybeToTensor``, ``MaybePILToTensor``, ``ToTensor`` and ``ToNumpy``) turns the uint8 CHW
+  result into what that transform returns; without one, the result becomes the PIL image the
+  stock prefix would have returned;
+- the *tail*, everything after the prefix (``Normalize``, ``ColorJitter``, RandAugment,
+  ``RandomErasing``, anything), is the user's own objects, run in order on that object, so they
+  make the same random draws as in the stock pipeline.
 """
 
 from __future__ import annotations
 
+import ast
 import copy
+import inspect
 import io
+import random
+import textwrap
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -37,12 +45,19 @@ from fastfeed.vision.folder import ImageFolder
 
 __all__ = [
     "BatchTail", "EncodedImage", "FusedTransform", "UnsupportedPipeline", "accelerate",
-    "batch_tail", "read_encoded",
+    "batch_tail", "deferred_for_device", "read_encoded",
 ]
 
-_GEOMETRY = ("RandomResizedCrop", "Resize", "CenterCrop", "RandomHorizontalFlip")
-_CONVERSIONS = ("ToTensor", "PILToTensor", "ToImage")
-_TAIL = ("ToDtype", "ConvertImageDtype", "Normalize")
+_TIMM_RRC = "timm.RandomResizedCropAndInterpolation"
+_CROPS = ("RandomResizedCrop", _TIMM_RRC)
+_GEOMETRY = (*_CROPS, "Resize", "CenterCrop", "RandomHorizontalFlip")
+# Conversions from a PIL image, and what each gives for the equivalent uint8 CHW tensor.
+_TO_FLOAT = ("ToTensor", "timm.MaybeToTensor")  # float in [0, 1]
+_TO_UINT8 = ("PILToTensor", "timm.MaybePILToTensor")
+_CONVERSIONS = (*_TO_FLOAT, *_TO_UINT8, "ToImage", "timm.ToTensor", "timm.ToNumpy")
+# Tail pieces that are elementwise on a tensor: they can run on a whole batch, on the device.
+_BATCHABLE = ("ToDtype", "ConvertImageDtype", "Normalize", "ToPureTensor")
+_RESAMPLING = {Image.Resampling.BILINEAR: "bilinear", Image.Resampling.BICUBIC: "bicubic"}
 
 
 @dataclass
@@ -71,72 +86,117 @@ class UnsupportedPipeline(ValueError):
 # --------------------------------------------------------------------------- compile
 
 
+def _delegates_to_transforms(transform: Any) -> bool:
+    """Whether calling ``transform`` only calls its ``.transforms``: torchvision's reference
+    presets (``ClassificationPresetTrain``/``Eval``) and wrappers like them. Read from the
+    source of ``__call__``, so a wrapper that does anything more is not taken apart."""
+    if not callable(getattr(transform, "transforms", None)):
+        return False
+    try:
+        source = textwrap.dedent(inspect.getsource(type(transform).__call__))
+        function = ast.parse(source).body[0]
+    except (OSError, TypeError, SyntaxError, IndexError):  # no source: a builtin, a REPL
+        return False
+    if not isinstance(function, ast.FunctionDef) or len(function.args.args) != 2:
+        return False
+    body = [statement for statement in function.body  # without the docstring
+            if not (isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Constant))]
+    self_name, image_name = (arg.arg for arg in function.args.args)
+    expected = ast.parse(f"return {self_name}.transforms({image_name})").body[0]
+    return len(body) == 1 and ast.dump(body[0]) == ast.dump(expected)
+
+
 def _flatten(transform: Any) -> list[Any]:
     inner = getattr(transform, "transforms", None)
     if type(transform).__name__ == "Compose" and isinstance(inner, Sequence):
         return [t for child in inner for t in _flatten(child)]
+    if _delegates_to_transforms(transform):
+        return _flatten(inner)
     return [transform]
 
 
 def _kind(transform: Any) -> str:
-    """The class name, if it is torchvision's own class (v1 or v2); else ``""``."""
+    """The class name for torchvision's own classes (v1 or v2), ``timm.``-prefixed for timm's
+    (timm's ``ToTensor`` does not scale); ``""`` for anything else."""
     cls = type(transform)
-    if not cls.__module__.startswith("torchvision.transforms"):
-        return ""
-    return cls.__name__
+    if cls.__module__.startswith("torchvision.transforms"):
+        return cls.__name__
+    if cls.__module__.startswith("timm.data"):
+        return f"timm.{cls.__name__}"
+    return ""
 
 
-def _is_bilinear(interpolation: Any) -> bool:
-    """torchvision keeps an ``InterpolationMode``, its string value, or a Pillow constant."""
+def _mode(interpolation: Any) -> str | None:
+    """``"bilinear"``/``"bicubic"`` for an ``InterpolationMode``, its string value or a Pillow
+    constant (torchvision keeps any of them); ``None`` for modes fastfeed does not resize with."""
     if isinstance(interpolation, int):
-        return interpolation == Image.Resampling.BILINEAR
-    return str(getattr(interpolation, "value", interpolation)) == "bilinear"
+        return _RESAMPLING.get(interpolation)  # type: ignore[call-overload]
+    value = str(getattr(interpolation, "value", interpolation))
+    return value if value in ("bilinear", "bicubic") else None
 
 
-def _check_bilinear_antialiased(transform: Any, name: str) -> None:
-    if not _is_bilinear(transform.interpolation):
-        raise UnsupportedPipeline(f"{name}(interpolation={transform.interpolation})")
-    if getattr(transform, "antialias", True) is False:
-        raise UnsupportedPipeline(f"{name}(antialias=False)")
-
-
-def _check_geometry(transform: Any, name: str) -> None:
-    if name in ("RandomResizedCrop", "Resize"):
-        _check_bilinear_antialiased(transform, name)
+def _geometry_problem(transform: Any, name: str) -> str | None:
+    """Why this geometry piece cannot be folded into the window, or ``None``."""
+    if name in ("RandomResizedCrop", "Resize", _TIMM_RRC):
+        modes = transform.interpolation
+        for mode in modes if isinstance(modes, (tuple, list)) else [modes]:
+            if _mode(mode) is None:
+                return f"{name}(interpolation={mode})"
+        if getattr(transform, "antialias", True) is False:
+            return f"{name}(antialias=False)"
     if name == "Resize" and transform.size is None:
-        raise UnsupportedPipeline("Resize(size=None)")
+        return "Resize(size=None)"
+    return None
 
 
 @dataclass
 class _Plan:
+    """A pipeline split into the prefix fastfeed runs and the tail the user's objects run.
+
+    ``conversion`` is the prefix's ``(kind, object)`` conversion, ``None`` when the tail gets
+    a PIL image."""
+
     geometry: list[tuple[str, Any]]
-    conversion: str
+    conversion: tuple[str, Any] | None
     tail: list[Any]
+
+    def per_sample_piece(self) -> str | None:
+        """What keeps the tail from running on whole batches (named), or ``None``."""
+        if self.conversion is None:
+            return "a PIL image output"
+        if self.conversion[0] == "timm.ToNumpy":
+            return "ToNumpy"
+        return next((_describe(t) for t in self.tail if _kind(t) not in _BATCHABLE), None)
+
+
+def _describe(piece: Any) -> str:
+    return repr(piece).replace("\n", " ")
 
 
 def _compile(transform: Any) -> _Plan:
-    """Split a transform into geometry, conversion and tail, or raise
-    :class:`UnsupportedPipeline` naming the first piece that does not fit."""
+    """Split a transform into the longest prefix fastfeed reproduces and the user's tail, or
+    raise :class:`UnsupportedPipeline` naming the first piece when the prefix is empty."""
     if transform is None:
         raise UnsupportedPipeline("transform=None (the dataset returns PIL images)")
+    pieces = _flatten(transform)
     geometry: list[tuple[str, Any]] = []
-    conversion = ""
-    tail: list[Any] = []
-    for piece in _flatten(transform):
+    conversion: tuple[str, Any] | None = None
+    prefix = 0
+    for piece in pieces:
         name = _kind(piece)
-        if name in _GEOMETRY and not tail:
-            _check_geometry(piece, name)
+        # Geometry after ToNumpy would fail in the stock pipeline too: left to the tail.
+        geometry_ok = conversion is None or conversion[0] != "timm.ToNumpy"
+        if name in _GEOMETRY and geometry_ok and _geometry_problem(piece, name) is None:
             geometry.append((name, piece))
-        elif name in _CONVERSIONS and not conversion:
-            conversion = name
-        elif name in _TAIL and conversion:
-            tail.append(piece)
+        elif name in _CONVERSIONS and conversion is None:
+            conversion = (name, piece)
         else:
-            raise UnsupportedPipeline(repr(piece).replace("\n", " "))
-    if not conversion:
-        raise UnsupportedPipeline(f"{transform!r} returns PIL images (no ToTensor, PILToTensor "
-                                  "or ToImage)".replace("\n", " "))
-    return _Plan(geometry, conversion, tail)
+            break
+        prefix += 1
+    if not geometry and conversion is None:
+        first = pieces[0]
+        raise UnsupportedPipeline(_geometry_problem(first, _kind(first)) or _describe(first))
+    return _Plan(geometry, conversion, pieces[prefix:])
 
 
 # --------------------------------------------------------------------------- geometry
@@ -166,13 +226,14 @@ def _pair(size: Any) -> tuple[int, int]:
 
 
 class _Window:
-    """The current image as a rectangle of the source (float pixels), its size, and whether
-    it is mirrored."""
+    """The current image as a rectangle of the source (float pixels), its size, whether it is
+    mirrored, and the interpolation of the last resize."""
 
     def __init__(self, width: int, height: int) -> None:
         self.x, self.y, self.w, self.h = 0.0, 0.0, float(width), float(height)
         self.width, self.height = width, height
         self.flipped = False
+        self.mode = "bilinear"
 
     def crop(self, left: int, top: int, width: int, height: int) -> None:
         scale_x, scale_y = self.w / self.width, self.h / self.height
@@ -183,8 +244,11 @@ class _Window:
         self.w, self.h = width * scale_x, height * scale_y
         self.width, self.height = width, height
 
-    def resize(self, width: int, height: int) -> None:
-        self.width, self.height = width, height
+    def resize(self, size: tuple[int, int], interpolation: Any) -> None:
+        mode = _mode(interpolation)
+        assert mode is not None, "_compile lets only bilinear and bicubic resizes through"
+        self.width, self.height = size
+        self.mode = mode
 
     def source_box(self, image_width: int, image_height: int) -> Box:
         left, top = round(self.x), round(self.y)
@@ -194,25 +258,34 @@ class _Window:
 
 
 def _size_stub(width: int, height: int) -> torch.Tensor:
-    """A 3×H×W tensor without memory: what torchvision's ``get_params`` reads sizes from."""
+    """A 3×H×W tensor without memory: what ``get_params`` reads sizes from."""
     return torch.empty((), dtype=torch.uint8).expand(3, height, width)
 
 
-def _random_resized_crop(transform: Any, width: int, height: int) -> tuple[int, int, int, int]:
-    """(left, top, width, height) drawn by torchvision's own code for this transform."""
+def _random_resized_crop(name: str, transform: Any, width: int, height: int
+                         ) -> tuple[Box, Any]:
+    """((left, top, width, height), interpolation) drawn by the transform's own code: torch's
+    generator for torchvision's, Python's ``random`` for timm's (the window, then the
+    interpolation when it is ``"random"``), in that library's order."""
     stub = _size_stub(width, height)
+    if name == _TIMM_RRC:
+        top, left, h, w = transform.get_params(stub, transform.scale, transform.ratio)
+        modes = transform.interpolation
+        return (left, top, w, h), (random.choice(modes) if isinstance(modes, (tuple, list))
+                                   else modes)
     if hasattr(transform, "make_params"):  # v2
         params = transform.make_params([stub])
-        return params["left"], params["top"], params["width"], params["height"]
+        return ((params["left"], params["top"], params["width"], params["height"]),
+                transform.interpolation)
     top, left, h, w = transform.get_params(stub, transform.scale, transform.ratio)
-    return left, top, w, h
+    return (left, top, w, h), transform.interpolation
 
 
 def _needs_padding(geometry: list[tuple[str, Any]], width: int, height: int) -> bool:
     """Whether a ``CenterCrop`` would pad. Sizes do not depend on the random draws, so this
     is known before any is made."""
     for name, transform in geometry:
-        if name == "RandomResizedCrop":
+        if name in _CROPS:
             width, height = _pair(transform.size)
         elif name == "Resize":
             width, height = _resized_size(transform.size, transform.max_size, width, height)
@@ -227,25 +300,42 @@ def _needs_padding(geometry: list[tuple[str, Any]], width: int, height: int) -> 
 # --------------------------------------------------------------------------- transforms
 
 
-def _to_tensor(image: torch.Tensor, conversion: str) -> torch.Tensor:
-    """uint8 CHW to what ``conversion`` returns for the equivalent PIL image."""
-    if conversion == "ToTensor":  # the same cast and division as torchvision's to_tensor
-        return image.to(dtype=torch.get_default_dtype()).div(255)
-    if conversion == "ToImage":
+def _convert(images: torch.Tensor, conversion: tuple[str, Any] | None) -> Any:
+    """uint8 CHW (or a batch of them) to what the prefix's conversion returns for the
+    equivalent PIL image; without a conversion, that PIL image (RGB, as the stock prefix
+    gives)."""
+    if conversion is None:  # merging the planes is several times faster than making HWC
+        return Image.merge("RGB", [Image.fromarray(plane) for plane in images.numpy()])
+    kind, transform = conversion
+    if kind in _TO_FLOAT:  # the same cast and division as torchvision's to_tensor
+        return images.to(dtype=torch.get_default_dtype()).div(255)
+    if kind == "ToImage":
         from torchvision import tv_tensors
 
-        return tv_tensors.Image(image)
+        return tv_tensors.Image(images)
+    if kind == "timm.ToTensor":  # pil_to_tensor, then a cast without scaling
+        return images.to(dtype=transform.dtype)
+    if kind == "timm.ToNumpy":
+        return images.numpy()
+    return images  # PILToTensor, MaybePILToTensor
+
+
+def _run(transforms: Sequence[Callable[[Any], Any]], image: Any) -> Any:
+    for transform in transforms:
+        image = transform(image)
     return image
 
 
 class FusedTransform:
-    """The user's transform, run from encoded bytes: window decode, the same random draws.
+    """The user's transform, run from encoded bytes: the prefix by window decode, the tail by
+    the user's objects; the same random draws in the same order.
 
     Args:
         original: the user's transform (kept for repr and for samples that must take the
             stock path: a ``CenterCrop`` that pads).
         plan: what :func:`accelerate` compiled from it.
-        defer_tail: stop at uint8 CHW; :class:`BatchTail` finishes each batch on the device.
+        defer_tail: stop at uint8 CHW; :class:`BatchTail` finishes each batch on the device
+            (only for a tail of elementwise tensor ops).
     """
 
     def __init__(self, original: Any, plan: _Plan, defer_tail: bool = False) -> None:
@@ -257,6 +347,26 @@ class FusedTransform:
         inner = repr(self.original).replace("\n", "\n    ")
         return f"FusedTransform(\n    {inner}\n)"
 
+    def _window(self, width: int, height: int) -> _Window:
+        """The prefix's geometry, folded into one window with the transforms' own draws."""
+        window = _Window(width, height)
+        for name, transform in self.plan.geometry:
+            if name in _CROPS:
+                box, interpolation = _random_resized_crop(name, transform, window.width,
+                                                          window.height)
+                window.crop(*box)
+                window.resize(_pair(transform.size), interpolation)
+            elif name == "Resize":
+                window.resize(_resized_size(transform.size, transform.max_size, window.width,
+                                            window.height), transform.interpolation)
+            elif name == "CenterCrop":
+                crop_w, crop_h = _pair(transform.size)
+                window.crop(*_center_crop_offsets(window.width, window.height, crop_w, crop_h),
+                            crop_w, crop_h)
+            elif float(torch.rand(1)) < transform.p:  # RandomHorizontalFlip: torchvision's draw
+                window.flipped = not window.flipped
+        return window
+
     def __call__(self, encoded: EncodedImage) -> Any:
         if not isinstance(encoded, EncodedImage):
             raise TypeError("FusedTransform takes what fastfeed's read_encoded returns, got "
@@ -264,49 +374,67 @@ class FusedTransform:
         width, height = image_size(encoded.data, encoded.path)
         if _needs_padding(self.plan.geometry, width, height):
             return self.original(encoded.to_pil())
-        window = _Window(width, height)
-        for name, transform in self.plan.geometry:
-            if name == "RandomResizedCrop":
-                window.crop(*_random_resized_crop(transform, window.width, window.height))
-                window.resize(*_pair(transform.size))
-            elif name == "Resize":
-                window.resize(*_resized_size(transform.size, transform.max_size,
-                                             window.width, window.height))
-            elif name == "CenterCrop":
-                crop_w, crop_h = _pair(transform.size)
-                window.crop(*_center_crop_offsets(window.width, window.height, crop_w, crop_h),
-                            crop_w, crop_h)
-            elif float(torch.rand(1)) < transform.p:  # RandomHorizontalFlip: torchvision's draw
-                window.flipped = not window.flipped
+        window = self._window(width, height)
         box = window.source_box(width, height)
         image = decode_resized_crop(encoded.data, lambda _w, _h: box,
-                                    (window.width, window.height), encoded.path)
+                                    (window.width, window.height), encoded.path,
+                                    mode=window.mode)
         if window.flipped:
             image = image.flip(-1)
         if self.defer_tail:
             return image
-        return _apply_tail(image, self.plan)
+        return _run(self.plan.tail, _convert(image, self.plan.conversion))
 
 
-def _apply_tail(images: torch.Tensor, plan: _Plan) -> Any:
-    out = _to_tensor(images, plan.conversion)
-    for transform in plan.tail:
-        out = transform(out)
-    return out
+class _BatchNormalize:
+    """torchvision's ``Normalize`` (v1 or v2) on a batch, with the same values, without its
+    per-call cost on a device: ``mean`` and ``std`` are made once per device and dtype (not
+    copied from the host every batch), and checked for zeros on the host then (not with
+    ``(std == 0).any()``, a device sync, every batch)."""
+
+    def __init__(self, normalize: Any) -> None:
+        self.mean, self.std = normalize.mean, normalize.std
+        self._on_device: dict[tuple[torch.device, torch.dtype],
+                              tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _statistics(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (images.device, images.dtype)
+        if key not in self._on_device:
+            mean = torch.as_tensor(self.mean, dtype=images.dtype)
+            std = torch.as_tensor(self.std, dtype=images.dtype)
+            if bool((std == 0).any()):
+                raise ValueError(f"std evaluated to zero after conversion to {images.dtype}, "
+                                 "leading to division by zero.")
+            self._on_device[key] = (mean.view(-1, 1, 1).to(images.device),
+                                    std.view(-1, 1, 1).to(images.device))
+        return self._on_device[key]
+
+    def __call__(self, images: torch.Tensor) -> torch.Tensor:
+        if not images.is_floating_point():
+            raise TypeError(f"Input tensor should be a float tensor. Got {images.dtype}.")
+        mean, std = self._statistics(images)
+        out = images.sub(mean).div_(std)  # torchvision: clone, sub_, div_: the same values
+        if type(images) is torch.Tensor:
+            return out
+        from torchvision import tv_tensors  # v2 keeps the input's TVTensor type
+
+        return tv_tensors.wrap(out, like=images)  # type: ignore[arg-type]
 
 
 class BatchTail:
     """The conversion and tail of a deferred :class:`FusedTransform`, on a whole batch:
     a ``gpu_transform`` for :class:`~fastfeed.FastLoader`. The images (the first element of
     the batch) cross to the device as uint8, four times fewer bytes than float32; the ops are
-    the same, elementwise, so the values equal the per-sample pipeline's."""
+    the same, elementwise, so the values equal the per-sample pipeline's. ``Normalize`` runs
+    without a host sync or a host-to-device copy per batch (:class:`_BatchNormalize`)."""
 
     def __init__(self, plan: _Plan) -> None:
-        self.plan = plan
+        self.conversion = plan.conversion
+        self.ops = [_BatchNormalize(t) if _kind(t) == "Normalize" else t for t in plan.tail]
 
     def __call__(self, batch: Any) -> Any:
         images, *rest = batch
-        return type(batch)([_apply_tail(images, self.plan), *rest])
+        return type(batch)([_run(self.ops, _convert(images, self.conversion)), *rest])
 
 
 # --------------------------------------------------------------------------- entry point
@@ -336,21 +464,31 @@ def accelerate(dataset: Dataset, *, defer_tail: bool = False) -> Dataset:
     The copy is the same class with the same ``classes``, ``class_to_idx``, ``samples``,
     ``targets``, ``target_transform`` and length; only its ``loader`` (which now reads bytes)
     and ``transform`` (a :class:`FusedTransform` of the user's one) change. Items have the
-    dtype, shape and normalisation the user's transform gives, and the same random crop
-    windows and flips for the same seed; pixels differ from Pillow's by a few grey levels.
+    type, dtype, shape and normalisation the user's transform gives, and the same random crop
+    windows, flips and later augmentations for the same seed; pixels differ from Pillow's by a
+    few grey levels.
 
-    Recognised: the default PIL loader, and a transform (v1 or v2, ``Compose`` or single) made
-    of ``RandomResizedCrop``, ``Resize``, ``CenterCrop`` and ``RandomHorizontalFlip`` (bilinear,
-    antialiased), then ``ToTensor``, ``PILToTensor`` or ``ToImage``, then ``ToDtype``,
-    ``ConvertImageDtype`` and ``Normalize``. Anything else gives one warning naming the first
-    piece that does not fit, and the dataset is returned unchanged: the data never silently
-    differs. A :class:`fastfeed.vision.ImageFolder` is already fast and is returned as is.
+    Recognised: the default PIL loader, and a transform (v1 or v2, ``Compose``, a wrapper that
+    only calls a ``Compose`` in ``.transforms`` such as torchvision's reference presets, or a
+    single transform) that *starts* with ``RandomResizedCrop``, timm's
+    ``RandomResizedCropAndInterpolation``, ``Resize``, ``CenterCrop`` and
+    ``RandomHorizontalFlip`` (bilinear or bicubic, antialiased) and at most one conversion
+    (``ToTensor``, ``PILToTensor``, ``ToImage``; timm's ``MaybeToTensor``,
+    ``MaybePILToTensor``, ``ToTensor``, ``ToNumpy``). That prefix runs the fast way; the rest
+    (``Normalize``, ``ColorJitter``, RandAugment, ``RandomErasing``, anything) runs as the user's
+    own objects on the object the prefix would have given them (a PIL image, or the
+    conversion's tensor). When not even the first piece is recognised, one warning names it
+    and the dataset is returned unchanged: the data never silently differs. A
+    :class:`fastfeed.vision.ImageFolder` is already fast and is returned as is.
 
     Args:
         dataset: the user's dataset.
         defer_tail (bool): items stop at uint8 CHW; pass :func:`batch_tail` of the result as
             ``FastLoader(..., device="cuda", gpu_transform=...)`` to convert and normalise each
             batch on the copy stream (a quarter of the bytes cross PCIe; identical values).
+            Only for a tail of ``ToDtype``, ``ConvertImageDtype``, ``Normalize`` and
+            ``ToPureTensor`` after a conversion; otherwise a warning names the piece that must
+            run per sample, and items keep the user's output.
 
     Example:
         >>> train = torchvision.datasets.ImageFolder("imagenet/train", transform=classic)
@@ -366,10 +504,19 @@ def accelerate(dataset: Dataset, *, defer_tail: bool = False) -> Dataset:
         warnings.warn(f"fastfeed.vision.accelerate: {unsupported} is not supported; the dataset "
                       "runs unchanged", stacklevel=2)
         return dataset
+    per_sample = plan.per_sample_piece()
+    if defer_tail and per_sample is not None:
+        warnings.warn(f"fastfeed.vision.accelerate: defer_tail=True ignored, {per_sample} runs "
+                      "per sample; items keep the transform's output", stacklevel=2)
+        defer_tail = False
+    return _with_transform(dataset, FusedTransform(dataset.transform,  # type: ignore[attr-defined]
+                                                   plan, defer_tail))
+
+
+def _with_transform(dataset: Dataset, transform: FusedTransform) -> Dataset:
     fast = copy.copy(dataset)
     fast.loader = read_encoded  # type: ignore[attr-defined]
-    fast.transform = FusedTransform(dataset.transform, plan,  # type: ignore[attr-defined]
-                                    defer_tail)
+    fast.transform = transform  # type: ignore[attr-defined]
     return fast
 
 
@@ -379,3 +526,19 @@ def batch_tail(dataset: Dataset) -> Callable[[Any], Any]:
     if not isinstance(transform, FusedTransform) or not transform.defer_tail:
         raise ValueError("batch_tail needs a dataset from accelerate(..., defer_tail=True)")
     return BatchTail(transform.plan)
+
+
+def deferred_for_device(dataset: Dataset) -> tuple[Dataset, BatchTail] | None:
+    """What a loader with a ``device`` ships instead of an accelerated dataset's float items.
+
+    When ``dataset`` comes from :func:`accelerate` (without ``defer_tail``) and its tail can run
+    on whole batches, returns the same dataset with items stopped at uint8 and the
+    :class:`BatchTail` that finishes each batch on the device, with values identical to the
+    per-sample items'; else ``None`` (ship the items as they are).
+    """
+    transform = getattr(dataset, "transform", None)
+    if (not isinstance(transform, FusedTransform) or transform.defer_tail
+            or transform.plan.per_sample_piece() is not None):
+        return None
+    deferred = FusedTransform(transform.original, transform.plan, defer_tail=True)
+    return _with_transform(dataset, deferred), BatchTail(transform.plan)
