@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from fastfeed.placement import local_cuda_index
 from fastfeed.ring import SlotRing
 from fastfeed.telemetry import Telemetry, batch_length
 from fastfeed.tree import map_tensors
@@ -53,18 +54,24 @@ def check_device(device: str | int | torch.device) -> torch.device:
 
 
 def resolve_device(device: str | int | torch.device) -> torch.device:
-    """:func:`check_device`; a bare ``"cuda"`` means this process's GPU (LOCAL_RANK under
-    torchrun).
+    """:func:`check_device`, with the index of this process's GPU filled in.
+
+    A bare ``"cuda"`` means ``LOCAL_RANK``'s GPU when the process sees several (torchrun),
+    GPU 0 when it sees one (a launcher that sets ``CUDA_VISIBLE_DEVICES`` per rank), else the
+    current device (see :func:`fastfeed.placement.local_cuda_index`). Call it when the
+    training script has chosen its device, not before.
 
     Raises:
-        ValueError: the string is not a device, or CUDA is requested but unavailable.
+        ValueError: the string is not a device, CUDA is requested but unavailable, or the
+            index does not name a device this process sees.
     """
     resolved = check_device(device)
-    if resolved.type == "cuda" and resolved.index is None:
-        local_rank = os.environ.get("LOCAL_RANK")
-        index = int(local_rank) if local_rank is not None else torch.cuda.current_device()
-        resolved = torch.device("cuda", index)
-    return resolved
+    if resolved.type != "cuda":
+        return resolved
+    current = torch.cuda.current_device() if torch.cuda.is_initialized() else 0
+    index = local_cuda_index(resolved.index, os.environ.get("LOCAL_RANK"),
+                             torch.cuda.device_count(), current)
+    return torch.device("cuda", index)
 
 
 def pinned_source(tensor: torch.Tensor) -> torch.Tensor:

@@ -232,7 +232,7 @@ class FastLoader(DataLoader):
         elapsed = t.elapsed
         used, allocated = t.ring.occupancy if t.ring is not None else (0, 0)
         if self._gpu_sampler is None:
-            self._gpu_sampler = GpuSampler()
+            self._gpu_sampler = self._new_gpu_sampler()
         self._sync_tuned_workers()
         workers = self.num_workers
         snapshot = LoaderStats(
@@ -350,10 +350,15 @@ class FastLoader(DataLoader):
         self._live_iterator = weakref.ref(iterator)
         return iterator
 
+    def _new_gpu_sampler(self) -> GpuSampler:
+        """Reads the GPU this loader feeds (the current device when it copies nothing)."""
+        target = self._target
+        return GpuSampler(target.index if target is not None and target.type == "cuda" else None)
+
     def _wrap(self, host: Any) -> Any:
         heads_to_cuda = self._copies_to_cuda or (self.pin_memory and torch.cuda.is_available())
         if heads_to_cuda and self._gpu_sampler is None:
-            self._gpu_sampler = GpuSampler()
+            self._gpu_sampler = self._new_gpu_sampler()
             self._gpu_sampler.start()
             weakref.finalize(self, self._gpu_sampler.stop)
         if self._target is None:

@@ -82,9 +82,24 @@ def test_cuda_requested_without_cuda_is_an_error():
 
 def test_bare_cuda_means_local_rank(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     monkeypatch.setenv("LOCAL_RANK", "3")
     assert resolve_device("cuda") == torch.device("cuda", 3)
     assert resolve_device("cuda:1") == torch.device("cuda", 1)
+
+
+def test_bare_cuda_is_the_only_visible_gpu_whatever_the_local_rank(monkeypatch):
+    # A launcher that gives each rank one GPU through CUDA_VISIBLE_DEVICES: it is cuda:0.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert resolve_device("cuda") == torch.device("cuda", 0)
+
+
+def test_the_gpu_is_chosen_at_the_first_iteration_not_at_construction(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    loader = FastLoader(TensorDataset(), device="cuda")
+    assert loader.device == torch.device("cuda") and loader._target is None
 
 
 def test_no_slot_leaks_across_epochs_on_the_device_path():
