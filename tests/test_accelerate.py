@@ -109,12 +109,13 @@ def root(tmp_path_factory):
     return root
 
 
-def grey_levels(stock, fast, transform):
-    """Mean |Δ| in 0–255 grey levels, with Normalize undone."""
+def grey_levels(stock, fast, transform, unscaled=False):
+    """Mean |Δ| in 0–255 grey levels, with Normalize undone (``unscaled``: floats in 0–255,
+    as timm's ToTensor gives)."""
     if isinstance(stock, Image.Image):
         stock, fast = T.functional.pil_to_tensor(stock), T.functional.pil_to_tensor(fast)
     a, b = stock.float(), fast.float()
-    if stock.is_floating_point():
+    if stock.is_floating_point() and not unscaled:
         a, b = a * 255, b * 255
         if "Normalize" in repr(getattr(transform, "transforms", transform)):
             std = torch.tensor(STD).view(3, 1, 1)
@@ -173,6 +174,7 @@ def assert_same_as_stock(stock, fast, recorder, max_grey_levels=2.0):
     """Every item, stock then accelerated from the same seeds: the same draws (recorded crop
     windows, and the generators' states after the item), labels, type, dtype and shape, and
     pixels within ``max_grey_levels`` on average."""
+    unscaled = (fast.transform.plan.conversion or ("",))[0] == "timm.ToTensor"
     for index in range(len(stock)):
         seed_all(index)
         image, target = stock[index]
@@ -186,12 +188,14 @@ def assert_same_as_stock(stock, fast, recorder, max_grey_levels=2.0):
         assert np.array_equal(fast_numpy, numpy_state), "a different number of numpy draws"
         assert fast_target == target
         assert type(fast_image) is type(image)
+        if isinstance(image, np.ndarray):  # timm's ToNumpy
+            image, fast_image = torch.from_numpy(image), torch.from_numpy(fast_image)
         if isinstance(image, Image.Image):
             assert fast_image.mode == image.mode and fast_image.size == image.size
         else:
             assert fast_image.dtype == image.dtype and fast_image.shape == image.shape
             assert fast_image.is_contiguous() or not image.is_contiguous()
-        assert grey_levels(image, fast_image, stock.transform) <= max_grey_levels, \
+        assert grey_levels(image, fast_image, stock.transform, unscaled) <= max_grey_levels, \
             stock.samples[index][0]
 
 
