@@ -26,6 +26,7 @@ import os
 import statistics
 import sys
 import time
+import warnings
 import zlib
 from pathlib import Path
 
@@ -117,13 +118,19 @@ def main() -> None:
     parser.add_argument("--measure", type=int, default=60)
     parser.add_argument("--step-ms", type=float, default=5.0)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--modes", nargs="+", default=["process", "thread", "auto"],
+                        help="worker modes to run: process (fixed counts and auto), thread "
+                             "(cores and auto), auto (worker_mode='auto')")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    # Counts past the cores are the point here: torch's warning about them is noise.
+    warnings.filterwarnings("ignore", message="This DataLoader will create")
 
     configs = [(kind, w, "process") for kind in args.kinds
-               for w in [*FIXED.get(kind, args.fixed), "auto"]]
-    configs += [(kind, w, "thread") for kind in args.kinds for w in (CORES, "auto")]
-    configs += [(kind, w, "auto") for kind in args.kinds for w in ("auto",)]
+               for w in [*FIXED.get(kind, args.fixed), "auto"] if "process" in args.modes]
+    configs += [(kind, w, "thread") for kind in args.kinds for w in (CORES, "auto")
+                if "thread" in args.modes]
+    configs += [(kind, "auto", "auto") for kind in args.kinds if "auto" in args.modes]
     epoch_configs = [(kind, w) for kind in args.kinds for w in (CORES, "auto")]
     jobs = [(r, c) for r in range(args.repeats) for c in (configs if r % 2 == 0 else configs[::-1])]
     results: dict[tuple, list[dict]] = {c: [] for c in configs}
@@ -137,17 +144,21 @@ def main() -> None:
     summary = []
     print(f"\nstep {args.step_ms} ms; batches/s over batches {args.batches - args.measure}-"
           f"{args.batches}; medians of {args.repeats}\n")
-    print("| dataset | mode | workers | batches/s | settled workers |")
-    print("|---|---|---|---|---|")
+    print("| dataset | mode | workers | batches/s | min–max | settled workers |")
+    print("|---|---|---|---|---|---|")
     for (kind, workers, mode), runs in results.items():
-        rate = statistics.median(r["batches_per_s"] for r in runs)
+        rates = [r["batches_per_s"] for r in runs]
+        rate = statistics.median(rates)
         settled = statistics.median(r["workers"] for r in runs)
         summary.append({"kind": kind, "workers": workers, "mode": mode, "batches_per_s": rate,
-                        "settled": settled, "decisions": runs[0]["decisions"]})
-        print(f"| {kind} | {mode} | {workers} | {rate:.1f} | {settled:g} |")
+                        "rates": rates, "settled": settled,
+                        "settled_each": [r["workers"] for r in runs],
+                        "decisions": runs[0]["decisions"]})
+        print(f"| {kind} | {mode} | {workers} | {rate:.1f} | {min(rates):.1f}–{max(rates):.1f} "
+              f"| {settled:g} |")
     print("\n| dataset | best fixed (process) | auto | auto / best |")
     print("|---|---|---|---|")
-    for kind in args.kinds:
+    for kind in args.kinds if "process" in args.modes else ():
         fixed = [s for s in summary if s["kind"] == kind and s["mode"] == "process"
                  and s["workers"] != "auto"]
         best = max(fixed, key=lambda s: s["batches_per_s"])
@@ -157,7 +168,7 @@ def main() -> None:
               f"| {auto['batches_per_s']:.1f} ({auto['settled']:g} workers) "
               f"| **{auto['batches_per_s'] / best['batches_per_s']:.2f}** |")
     print("\n| dataset | worker_mode='auto' with num_workers='auto' chose |\n|---|---|")
-    for kind in args.kinds:
+    for kind in args.kinds if "auto" in args.modes else ():
         runs = results[(kind, "auto", "auto")]
         chosen = [d for d in runs[0]["decisions"] if d.startswith("worker_mode auto")]
         print(f"| {kind} | {chosen[0] if chosen else 'undecided'} |")

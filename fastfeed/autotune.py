@@ -1,18 +1,19 @@
 """``num_workers="auto"``: pick a starting worker count, then adjust it from measurements.
 
 The tuner is a hill climber over the worker count, fed one :class:`Window` of measurements
-every ``window`` batches. While the consumer waits for data it tries one more worker and keeps
-it only if throughput rises by at least ``gain``; it retires one while the consumer never
-waits, and undoes a retirement that made the consumer wait. A count found wanting becomes a
-bound for the rest of the tuner's life, so it settles instead of oscillating; after undoing a
-move it also holds still for ``cooldown`` windows. Bounds: at least 1 worker, at most what the
+every ``window`` batches. While the consumer waits for data it tries more workers (a step in
+proportion to the wait, at most doubling) and keeps them only if throughput rises by at least
+``gain``; it retires one while the consumer never waits, and undoes a retirement that made
+the consumer wait. A count found wanting becomes a bound for the rest of the tuner's life, so
+it settles instead of oscillating; after undoing a move it also holds still for ``cooldown``
+windows. Bounds: at least 1 worker, at most what the
 memory budget allows and a cap of a few workers per core: more workers than cores pay when
 they wait on storage (a network file system, an object store).
 
 Idle cores do not gate the trial: a busy machine says nothing about whether the workers wait
 on storage (the per-batch work of the main process and the training step keep the cores busy
 while I/O-bound workers sleep), and the verdict on throughput does. On CPU-bound data the
-trial costs one window and the count that did not pay is never tried again. The decision logic
+trial costs a few windows and a count that did not pay is never tried again. The decision logic
 takes numbers, not clocks, so it is unit-tested on simulated rates.
 """
 
@@ -37,6 +38,9 @@ def memory_cap(share: float = 0.5) -> int:
     worker = max(resident_memory() or 0, _MIN_WORKER_BYTES)
     return max(1, int(available * share) // worker)
 
+
+# Windows at one count whose mean is the yardstick for the next move's verdict.
+_RATES_KEPT = 4
 
 # Workers per core the tuner may reach, when they wait on I/O rather than compute.
 _WORKERS_PER_CORE = 4
@@ -95,23 +99,25 @@ class WorkerTuner:
         minimum: never fewer.
         wait_high: wait fraction above which the consumer is starved.
         wait_low: wait fraction below which workers are surplus.
-        gain: relative throughput gain an added worker must bring to stay.
+        gain: relative throughput gain added workers must bring to stay.
         cooldown: windows to hold still after undoing a move.
-        settle: windows to skip after adding a worker before judging it: the first one
-            holds the new worker's start-up, before its first batch, and would undervalue it.
+        settle: windows to skip after adding workers before judging them: they hold the new
+            workers' start-up (a process takes a few hundred milliseconds on a busy machine),
+            and the batches queued behind its first, which would undervalue it.
     """
 
     def __init__(self, start: int, maximum: int, minimum: int = 1, wait_high: float = 0.05,
                  wait_low: float = 0.01, gain: float = 0.05, cooldown: int = 5,
-                 settle: int = 1) -> None:
+                 settle: int = 2) -> None:
         self.workers = max(minimum, min(start, maximum))
         self.minimum, self.maximum = minimum, maximum
         self.wait_high, self.wait_low = wait_high, wait_low
         self.gain, self.cooldown, self.settle = gain, cooldown, settle
-        self._last_move = 0  # +1 added, -1 retired, 0 none
-        self._before: Window | None = None  # the window before the last move
+        self._last_move = 0  # workers added (> 0) or retired (< 0) by the last move, 0 none
+        self._rates: list[float] = []  # batches/s of the windows at the current count
+        self._before: float | None = None  # batches/s before the last move
         self._hold = 0
-        self._settling = 0  # windows still to skip before the verdict on an added worker
+        self._settling = 0  # windows still to skip before the verdict on added workers
         self.log: list[str] = []
 
     def restart(self, workers: int) -> None:
@@ -119,31 +125,36 @@ class WorkerTuner:
         a move still waiting for its verdict (its windows were cut short)."""
         self.workers = max(self.minimum, min(workers, self.maximum))
         self._last_move, self._before, self._hold, self._settling = 0, None, 0, 0
+        self._rates = []
 
     def observe(self, window: Window) -> int:
         """Feed one window; return the worker count to use from now on."""
+        if self._settling:
+            self._settling -= 1
+            return self.workers
+        self._rates = [*self._rates[-(_RATES_KEPT - 1):], window.batches_per_s]
         move, reason = self._decide(window)
         if move:
-            self._before = window
-            self._settling = self.settle if move == +1 and self._last_move == +1 else 0
+            # The rate before a move is the mean of the windows at this count: one window
+            # on a busy machine is too noisy a yardstick for a 5 % verdict.
+            self._before = sum(self._rates) / len(self._rates)
+            self._rates = []
+            self._settling = self.settle if self._last_move > 0 else 0
             self.workers += move
             self.log.append(f"{self.workers - move} -> {self.workers} workers: {reason}")
         return self.workers
 
     def _decide(self, w: Window) -> tuple[int, str]:
-        if self._settling:
-            self._settling -= 1
-            return 0, ""
         last, self._last_move = self._last_move, 0
-        if last == +1 and self._before is not None:
-            if w.batches_per_s < self._before.batches_per_s * (1 + self.gain):
+        if last > 0 and self._before is not None:
+            if w.batches_per_s < self._before * (1 + self.gain):
                 self._hold = self.cooldown
                 self.maximum = self.workers - 1  # this count did not pay: do not retry it
-                return -1, (f"the added worker did not pay ({self._before.batches_per_s:.1f} -> "
-                            f"{w.batches_per_s:.1f} batches/s)")
+                return -last, (f"the added workers did not pay ({self._before:.1f} -> "
+                               f"{w.batches_per_s:.1f} batches/s)")
             self._before = None
-        if last == -1 and self._before is not None:
-            slower = w.batches_per_s < self._before.batches_per_s * (1 - self.gain)
+        if last < 0 and self._before is not None:
+            slower = w.batches_per_s < self._before * (1 - self.gain)
             if w.wait_fraction > self.wait_high or slower:
                 self._hold = self.cooldown
                 self.minimum = self.workers + 1  # fewer starved the consumer: stay above
@@ -153,9 +164,13 @@ class WorkerTuner:
             self._hold -= 1
             return 0, ""
         if w.wait_fraction > self.wait_high and self.workers < self.maximum:
-            self._last_move = +1
+            # A step in proportion to the wait (at most doubling): the climb to many I/O-bound
+            # workers takes a few trials, and a large step's gain stands out of the noise.
+            step = max(1, min(round(self.workers * w.wait_fraction), self.workers,
+                              self.maximum - self.workers))
+            self._last_move = step
             idle = "" if w.idle_cores is None else f", {w.idle_cores:.1f} cores idle"
-            return +1, f"consumer waits {100 * w.wait_fraction:.0f}%{idle}: trying one more"
+            return step, f"consumer waits {100 * w.wait_fraction:.0f}%{idle}: trying {step} more"
         if w.wait_fraction < self.wait_low and self.workers > self.minimum:
             self._last_move = -1
             return -1, f"consumer never waits ({100 * w.wait_fraction:.1f}%)"

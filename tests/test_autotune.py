@@ -63,7 +63,8 @@ def test_busy_cores_do_not_block_growth_that_pays():
     rate = lambda n: min(n, 10) * 10.0  # noqa: E731
     wait = lambda n: 0.0 if n >= 10 else 0.8  # noqa: E731
     counts = simulate(WorkerTuner(2, maximum=16), rate, wait, idle=0.1, windows=40)
-    assert counts[-1] == 10 and max(counts) <= 11
+    assert counts[-20:] == [10] * 20
+    assert sum(n > 10 for n in counts) <= 6  # trials past the best are undone, and few
 
 
 def test_reaches_nine_tenths_of_the_best_fixed_count_on_the_io_case():
@@ -96,8 +97,9 @@ def test_io_bound_workers_grow_past_the_cores():
     cores = 2
     tuner = WorkerTuner(cores, maximum=16)
     counts = simulate(tuner, rate, wait, idle=1.6, windows=40)
-    assert counts[-1] == 10 and max(counts) <= 11
-    assert all("trying one more" in line for line in tuner.log[:8])
+    assert counts[-20:] == [10] * 20
+    assert sum(n > 10 for n in counts) <= 6  # trials past the best are undone, and few
+    assert all("trying" in line for line in tuner.log[:3])  # 2 -> 4 -> 7 -> 13, then retires to 10
 
 
 def test_a_new_iterator_keeps_what_the_tuner_learned():
