@@ -36,6 +36,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from PIL import Image
 from torch.utils.data import Dataset
@@ -307,8 +308,8 @@ def _convert(images: torch.Tensor, conversion: tuple[str, Any] | None) -> Any:
     if conversion is None:  # merging the planes is several times faster than making HWC
         return Image.merge("RGB", [Image.fromarray(plane) for plane in images.numpy()])
     kind, transform = conversion
-    if kind in _TO_FLOAT:  # the same cast and division as torchvision's to_tensor
-        return images.to(dtype=torch.get_default_dtype()).div(255)
+    if kind in _TO_FLOAT:  # torchvision's to_tensor's cast and division (in place: one tensor)
+        return images.to(dtype=torch.get_default_dtype()).div_(255)
     if kind == "ToImage":
         from torchvision import tv_tensors
 
@@ -342,6 +343,7 @@ class FusedTransform:
         self.original = original
         self.plan = plan
         self.defer_tail = defer_tail
+        self.tail = _tail_ops(plan.tail)
 
     def __repr__(self) -> str:
         inner = repr(self.original).replace("\n", "\n    ")
@@ -383,14 +385,29 @@ class FusedTransform:
             image = image.flip(-1)
         if self.defer_tail:
             return image
-        return _run(self.plan.tail, _convert(image, self.plan.conversion))
+        return _run(self.tail, _convert(image, self.plan.conversion))
 
 
-class _BatchNormalize:
-    """torchvision's ``Normalize`` (v1 or v2) on a batch, with the same values, without its
-    per-call cost on a device: ``mean`` and ``std`` are made once per device and dtype (not
-    copied from the host every batch), and checked for zeros on the host then (not with
-    ``(std == 0).any()``, a device sync, every batch)."""
+class _FloatFromPIL:
+    """torchvision's ``ToTensor`` (or timm's ``MaybeToTensor``) in the tail, on the RGB PIL
+    image a PIL augmentation returns: the same values, from the image's planes (several times
+    faster than its transposing copy). Anything else goes to the user's object."""
+
+    def __init__(self, to_tensor: Any) -> None:
+        self.to_tensor = to_tensor
+
+    def __call__(self, image: Any) -> Any:
+        if not isinstance(image, Image.Image) or image.mode != "RGB":
+            return self.to_tensor(image)
+        planes = np.stack([np.asarray(plane) for plane in image.split()])
+        return torch.from_numpy(planes).to(dtype=torch.get_default_dtype()).div_(255)
+
+
+class _Normalize:
+    """torchvision's ``Normalize`` (v1 or v2), with the same values, without its per-call
+    cost: ``mean`` and ``std`` are made once per device and dtype (not copied from the host at
+    every call), and checked for zeros on the host then (not with ``(std == 0).any()``, a
+    device sync on a GPU, at every call)."""
 
     def __init__(self, normalize: Any) -> None:
         self.mean, self.std = normalize.mean, normalize.std
@@ -421,16 +438,30 @@ class _BatchNormalize:
         return tv_tensors.wrap(out, like=images)  # type: ignore[arg-type]
 
 
+def _tail_ops(tail: list[Any]) -> list[Callable[[Any], Any]]:
+    """The user's tail, with the pieces that have a same-valued faster form swapped for it."""
+    ops: list[Callable[[Any], Any]] = []
+    for transform in tail:
+        kind = _kind(transform)
+        if kind == "Normalize":
+            ops.append(_Normalize(transform))
+        elif kind in _TO_FLOAT:
+            ops.append(_FloatFromPIL(transform))
+        else:
+            ops.append(transform)
+    return ops
+
+
 class BatchTail:
     """The conversion and tail of a deferred :class:`FusedTransform`, on a whole batch:
     a ``gpu_transform`` for :class:`~fastfeed.FastLoader`. The images (the first element of
     the batch) cross to the device as uint8, four times fewer bytes than float32; the ops are
     the same, elementwise, so the values equal the per-sample pipeline's. ``Normalize`` runs
-    without a host sync or a host-to-device copy per batch (:class:`_BatchNormalize`)."""
+    without a host sync or a host-to-device copy per batch (:class:`_Normalize`)."""
 
     def __init__(self, plan: _Plan) -> None:
         self.conversion = plan.conversion
-        self.ops = [_BatchNormalize(t) if _kind(t) == "Normalize" else t for t in plan.tail]
+        self.ops = _tail_ops(plan.tail)
 
     def __call__(self, batch: Any) -> Any:
         images, *rest = batch
