@@ -103,7 +103,9 @@ def run(kind: str, workers: int | str, mode: str, args: argparse.Namespace) -> d
         time.sleep(args.step_ms / 1000)  # the simulated GPU step
     assert start is not None
     rate = args.measure / (time.perf_counter() - start)
-    settled = loader.num_workers
+    # Where the tuner settled: the last count its decisions name (the start, without any).
+    moves = [d.split(" workers:")[0] for d in loader.stats().decisions if " -> " in d]
+    settled = int(moves[-1].split(" -> ")[1]) if moves else loader.num_workers
     decisions = loader.stats().decisions
     del iterator
     return {"batches_per_s": rate, "workers": settled, "decisions": decisions}

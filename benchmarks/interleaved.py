@@ -11,7 +11,7 @@ import json
 import statistics
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,14 +35,17 @@ def pipeline_parser(doc: str, configs: Sequence[str], batch_size: int) -> argpar
 
 
 def interleaved_rates(script: str | Path, configs: Sequence[str], repeats: int,
-                      child_args: Sequence[str], desc: str) -> dict[str, list[Any]]:
+                      child_args: Sequence[str], desc: str,
+                      python: Callable[[str], str] | None = None) -> dict[str, list[Any]]:
     """Run ``script --one CONFIG *child_args`` ``repeats`` times per configuration; each child
     prints a JSON list on its last line (rates, or one record per timed epoch). Returns every
-    entry per configuration."""
+    entry per configuration. ``python(config)`` names the interpreter of a configuration's
+    children (default: this one), for libraries that live in an environment of their own."""
     jobs = [c for r in range(repeats) for c in (configs if r % 2 == 0 else configs[::-1])]
     rates: dict[str, list[Any]] = {c: [] for c in configs}
     for config in progress(jobs, total=len(jobs), desc=desc):
-        out = subprocess.run([sys.executable, str(script), "--one", config, *child_args],
+        interpreter = python(config) if python is not None else sys.executable
+        out = subprocess.run([interpreter, str(script), "--one", config, *child_args],
                              capture_output=True, text=True, check=False)
         if out.returncode:
             sys.exit(f"{config} failed:\n{out.stderr}")

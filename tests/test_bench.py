@@ -43,6 +43,10 @@ def test_image_folder_and_module_sources(tmp_path):
                 "--batch-size", "8", "--out", str(tmp_path / "a"))
     assert out.returncode == 0, out.stderr
     assert "classify folder" in out.stdout
+    dali_rows = [r for r in json.loads((tmp_path / "a" / "bench.json").read_text())["results"]
+                 if r["config"] == "dali"]
+    # NVIDIA's recipe where DALI is installed, a note where it is not: never a crash.
+    assert dali_rows or "dali: not installed" in out.stdout
     env = dict(os.environ, PYTHONPATH=str(ROOT / "tests"))
     out = bench("--data", "sample_datasets:TensorDataset", "--workers", "0", "--batches", "2",
                 "--repeats", "1", "--batch-size", "4", "--out", str(tmp_path / "b"), env=env)
@@ -97,3 +101,25 @@ def test_progress_redraws_one_line_on_a_terminal(monkeypatch):
     monkeypatch.setattr(sys, "stderr", terminal)
     assert list(progress(range(5), total=5, desc="runs")) == list(range(5))
     assert "\r" in terminal.getvalue()
+
+
+@pytest.mark.parametrize("with_stall", [False, True])
+def test_chart_title_fits_with_two_configurations(with_stall):
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.text import Text
+
+    from fastfeed.bench.report import chart
+
+    results = [{"config": c, "workers": "2", "samples_per_s": 900.0, "stall_pct": 40.0,
+                "first_batch_s": 0.5, "peak_rss_mb": 300.0} for c in ("stock", "fastfeed")]
+    title = ("classify folder /data/imagenet-like-1000 (1000 images, 50 classes): batch 64, "
+             "step 0 ms, medians of 3")
+    fig = chart(results, title, with_stall)
+    fig.canvas.draw()
+    [suptitle] = [t for t in fig.findobj(Text) if t.get_text().startswith("classify")]
+    box = suptitle.get_window_extent()
+    assert 0 <= box.x0 and box.x1 <= fig.bbox.x1 and box.y1 <= fig.bbox.y1
+    assert " ".join(suptitle.get_text().split()) == title  # wrapped, not shortened
+    plt.close(fig)

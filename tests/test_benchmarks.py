@@ -60,3 +60,16 @@ def test_ultralytics_profile_on_fewer_images_than_it_profiles(tmp_path):
                          capture_output=True, text=True, timeout=600, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "stock:" in out.stdout and "imdecode ms per image" in out.stdout
+
+
+@pytest.mark.clients
+def test_torchvision_pipeline_leaves_out_a_peer_that_is_not_installed(tmp_path):
+    pytest.importorskip("torchvision")
+    from fastfeed.vision.synthetic import make_imagefolder
+
+    folder = make_imagefolder(tmp_path / "imgs", images=16, classes=2)
+    out = run("torchvision_pipeline.py", "--data", str(folder), "--configs", "stock,dali-cpu",
+              "--peers-python", str(tmp_path / "no-such-python"), "--repeats", "1",
+              "--epochs", "1", "--batch-size", "8")
+    assert "dali-cpu: not installed" in out and "| stock |" in out
+    assert "| dali-cpu |" not in out

@@ -10,12 +10,17 @@ since a loop that only waits for data stalls near 100 % whatever the loader. Wri
 
 Configurations: ``stock`` (torch's DataLoader; for image folders, over a plain Pillow dataset),
 ``fastfeed`` (FastLoader with the same arguments; for image folders, the ``cpu`` image
-backend), ``fastfeed+device`` (with ``--device``: device prefetch and a GPU-side Normalize) and
-``dali`` (image folders, when NVIDIA DALI is installed). With torchvision installed, image
-folders also run the user's view: ``torchvision`` (torch's DataLoader over torchvision's
-``ImageFolder`` with the classic RandomResizedCrop/flip/ToTensor/Normalize transforms),
-``torchvision+swap`` (FastLoader, same arguments) and ``torchvision+accelerate`` (FastLoader
-over :func:`fastfeed.vision.accelerate` of that dataset), each compared with ``torchvision``.
+backend) and ``fastfeed+device`` (with ``--device``: device prefetch and a GPU-side
+Normalize). With torchvision installed, image folders also run the user's view:
+``torchvision`` (torch's DataLoader over torchvision's ``ImageFolder`` with the classic
+RandomResizedCrop/flip/ToTensor/Normalize transforms), ``torchvision+swap`` (FastLoader, same
+arguments) and ``torchvision+accelerate`` (FastLoader over :func:`fastfeed.vision.accelerate`
+of that dataset), each compared with ``torchvision``. Image folders also run ``dali`` when
+NVIDIA DALI is installed (a note says so when it is not): its ResNet-50 recipe, which gives
+the same normalised float batches as the classic transforms, so it is compared with
+``torchvision`` too; on the CPU with its CPU operators and ``--workers`` threads, as
+``benchmarks/torchvision_pipeline.py`` runs it (``fastfeed/bench/peers.py``), with
+``--device cuda`` decoding on the GPU (uint8 batches).
 """
 
 from __future__ import annotations
@@ -27,10 +32,10 @@ from pathlib import Path
 from typing import Any
 
 from fastfeed.bench.data import TORCHVISION_CONFIGS, BenchError, resolve, torchvision_available
+from fastfeed.bench.peers import PEERS
 from fastfeed.bench.report import write_chart, write_json, write_table
 from fastfeed.bench.run import Job, run_in_child
 from fastfeed.progress import progress
-from fastfeed.vision.dali import dali_available
 
 __all__ = ["add_arguments", "run"]
 
@@ -78,10 +83,13 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
     configs = ["stock", "fastfeed"] + (["fastfeed+device"] if args.device else [])
-    if source.kind == "classify" and dali_available():
-        configs.append("dali")
     if source.kind == "classify" and torchvision_available():
         configs += TORCHVISION_CONFIGS
+    if source.kind == "classify":
+        if PEERS["dali-cpu"].missing() is None:
+            configs.append("dali")
+        else:
+            print("dali: not installed, left out (pip install nvidia-dali-cuda120)")
     plan = [(c, w) for w in workers for c in configs]
     jobs = [(r, c, w) for r in range(args.repeats)
             for c, w in (plan if r % 2 == 0 else plan[::-1])]

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import textwrap
 from pathlib import Path
 from typing import Any
 
 from fastfeed.bench.data import baseline
 
-__all__ = ["write_chart", "write_json", "write_table"]
+__all__ = ["chart", "write_chart", "write_json", "write_table"]
 
 COLUMNS = ["config", "workers", "samples/s", "vs stock", "stall %", "first batch s",
            "peak RSS MB"]
@@ -58,21 +59,19 @@ def write_json(results: list[dict[str, Any]], meta: dict[str, Any], path: Path) 
     path.write_text(json.dumps({"meta": meta, "results": results}, indent=2))
 
 
-def write_chart(results: list[dict[str, Any]], title: str, path: Path,
-                with_stall: bool = True) -> bool:
-    """Bar chart of throughput, and of the data stall when a training step ran beside the
-    loader (see :func:`write_table`); False without matplotlib."""
-    try:
-        import matplotlib
+def chart(results: list[dict[str, Any]], title: str, with_stall: bool = True) -> Any:
+    """The matplotlib figure of :func:`write_chart`: throughput bars, and the data stall's
+    beside them when a training step ran (see :func:`write_table`)."""
+    import matplotlib.pyplot as plt
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
     labels = [f"{r['config']}\n{r['workers']} workers" for r in results]
     colors = ["#9e9e9e" if r["config"] == baseline(r["config"]) else "#1f77b4" for r in results]
     width = max(8.0, 1.6 * len(results)) * (1 if with_stall else 0.6)
-    fig, axes = plt.subplots(1, 2 if with_stall else 1, figsize=(width, 4.2), squeeze=False)
+    # Constrained layout keeps the suptitle inside the figure; the title is wrapped to the
+    # figure's width (about 0.55 em per character at 10 pt), so a narrow chart of a few
+    # configurations no longer cuts a long title at both edges.
+    fig, axes = plt.subplots(1, 2 if with_stall else 1, figsize=(width, 4.6), squeeze=False,
+                             layout="constrained")
     speed = axes[0][0]
     bars = speed.bar(labels, [r["samples_per_s"] for r in results], color=colors)
     speed.bar_label(bars, fmt="{:,.0f}", fontsize=8)
@@ -87,8 +86,22 @@ def write_chart(results: list[dict[str, Any]], title: str, path: Path,
         stall.set_title("data stall (lower is better)", fontsize=10)
     for axis in axes[0]:
         axis.tick_params(axis="x", labelsize=8)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
+    characters = int(width * 72 / (10 * 0.55)) - 4
+    fig.suptitle(textwrap.fill(title, characters), fontsize=10)
+    return fig
+
+
+def write_chart(results: list[dict[str, Any]], title: str, path: Path,
+                with_stall: bool = True) -> bool:
+    """Save :func:`chart` as a PNG; False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig = chart(results, title, with_stall)
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True

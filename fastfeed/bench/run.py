@@ -36,10 +36,15 @@ class Job:
 
 def _build(job: Job, source: Source) -> Any:
     if job.config == "dali":
-        from fastfeed.vision.dali import DaliLoader
+        threads = max(1, int(job.workers)) if job.workers.isdigit() else 2
+        assert source.root is not None
+        if job.device and torch.device(job.device).type == "cuda":
+            from fastfeed.vision.dali import DaliLoader
 
-        return DaliLoader(source.root, job.batch_size, device=job.device,  # type: ignore[arg-type]
-                          num_threads=max(1, int(job.workers)) if job.workers.isdigit() else 2)
+            return DaliLoader(source.root, job.batch_size, device=job.device, num_threads=threads)
+        from fastfeed.bench.peers import build_peer
+
+        return build_peer("dali-cpu", source.root, job.batch_size, threads)
     dataset, collate = source.dataset(job.config)
     workers: int | str = job.workers if job.workers == "auto" else int(job.workers)
     kwargs: dict[str, Any] = {"batch_size": job.batch_size, "shuffle": True,
