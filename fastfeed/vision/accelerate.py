@@ -435,7 +435,7 @@ class _Normalize:
             return out
         from torchvision import tv_tensors  # v2 keeps the input's TVTensor type
 
-        return tv_tensors.wrap(out, like=images)  # type: ignore[arg-type]
+        return tv_tensors.wrap(out, like=images)
 
 
 def _tail_ops(tail: list[Any]) -> list[Callable[[Any], Any]]:
