@@ -126,9 +126,10 @@ def print_recipe_table(title: str, rates: dict[str, list[float]]) -> None:
     for config, values in rates.items():
         recipe, loader = config.split("/")
         median = statistics.median(values)
-        base = statistics.median(rates[f"{recipe}/stock"])
+        stock = rates.get(f"{recipe}/stock")
+        ratio = f"**{median / statistics.median(stock):.2f}×**" if stock else "n/a"
         print(f"| {recipe} | {loader} | {median:,.0f} | {min(values):,.0f}–{max(values):,.0f} "
-              f"| **{median / base:.2f}×** |")
+              f"| {ratio} |")
 
 
 def main() -> None:

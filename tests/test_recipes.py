@@ -4,6 +4,7 @@ side by side with the stock pipeline.
 Needs torchvision and timm (the client environment).
 """
 
+import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -97,3 +98,13 @@ def test_batches_match_torch_dataloader_side_by_side(name, root):
         grey = float(((images - fast_images) * torch.tensor(STD).view(1, 3, 1, 1) * 255)
                      .abs().mean())
         assert grey <= GREY_LEVELS.get(name, 2.0)
+
+
+def test_the_benchmark_runs(root):
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "recipes_pipeline.py"
+    out = subprocess.run([sys.executable, str(script), "--data", str(root), "--configs",
+                          "timm-ra/stock,timm-ra/accelerate", "--repeats", "1", "--epochs", "1",
+                          "--batch-size", "8", "--workers", "1"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "| timm-ra | stock |" in out.stdout and "| timm-ra | accelerate |" in out.stdout
