@@ -13,18 +13,24 @@ they wait on storage (a network file system, an object store).
 Idle cores do not gate the trial: a busy machine says nothing about whether the workers wait
 on storage (the per-batch work of the main process and the training step keep the cores busy
 while I/O-bound workers sleep), and the verdict on throughput does. On CPU-bound data the
-trial costs a few windows and a count that did not pay is never tried again. The decision logic
-takes numbers, not clocks, so it is unit-tested on simulated rates.
+trial costs a few windows and a count that did not pay is never tried again. Where the window
+carries the workers' sleep share (:class:`WorkerSleepMeter`), no trial asks for more cores
+than there are: on a shared machine, CPU-bound workers past the cores raise throughput only by
+taking the cores from other processes. The decision logic takes numbers, not clocks, so it is
+unit-tested on simulated rates.
 """
 
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from fastfeed._proc import available_cpus, available_memory, resident_memory
 
-__all__ = ["CpuMeter", "Window", "WorkerTuner", "available_cpus", "initial_workers"]
+__all__ = ["CpuMeter", "Window", "WorkerSleepMeter", "WorkerTuner", "available_cpus",
+           "initial_workers"]
 
 # A worker is budgeted at the main process's RSS (it is a fork of it) and at least this much.
 _MIN_WORKER_BYTES = 256 << 20
@@ -81,6 +87,50 @@ class CpuMeter:
         return (now[0] - last[0]) / (now[1] - last[1]) * (os.cpu_count() or 1)
 
 
+class WorkerSleepMeter:
+    """The workers' share of wall time spent neither running nor waiting for a core, between
+    two readings of ``/proc/<task>/schedstat`` (Linux; None where unreadable).
+
+    What tells I/O-bound workers from CPU-bound ones on a busy machine: a worker that waits on
+    storage sleeps; a CPU-bound one runs, or waits in the run queue when other processes hold
+    the cores, and neither counts as sleep. Idle-cores readings cannot tell them apart there,
+    and throughput alone cannot either: more CPU-bound workers than cores do raise throughput
+    on a shared machine, by taking the cores from other users' processes.
+    """
+
+    def __init__(self) -> None:
+        self._last: dict[int, tuple[int, float]] = {}  # task -> (run + run-queue ns, wall s)
+
+    @staticmethod
+    def _busy_ns(task: int) -> int | None:
+        try:
+            with open(f"/proc/{task}/schedstat") as f:
+                on_cpu, run_queue = (int(v) for v in f.read().split()[:2])
+        except (OSError, ValueError):
+            return None
+        return on_cpu + run_queue
+
+    def sleep_fraction(self, tasks: Iterable[int]) -> float | None:
+        """Sleep share of ``tasks`` (worker pids, or native thread ids of thread workers)
+        since the last call; tasks first seen now start their measurement."""
+        now = time.monotonic()
+        busy = wall = 0.0
+        readings: dict[int, tuple[int, float]] = {}
+        for task in tasks:
+            ns = self._busy_ns(task)
+            if ns is None:
+                continue
+            readings[task] = (ns, now)
+            if task in self._last:
+                last_ns, last_time = self._last[task]
+                busy += (ns - last_ns) / 1e9
+                wall += now - last_time
+        self._last = readings
+        if wall <= 0:
+            return None
+        return min(1.0, max(0.0, 1 - busy / wall))
+
+
 @dataclass(frozen=True)
 class Window:
     """Measurements over one window of batches."""
@@ -88,6 +138,9 @@ class Window:
     batches_per_s: float
     wait_fraction: float  # consumer's share of wall time spent waiting for data
     idle_cores: float | None = None  # for the log only: None where unknown
+    # The workers' share of wall time spent neither running nor waiting for a core: blocked
+    # on storage, or idle (see WorkerSleepMeter). None where unknown.
+    worker_sleep: float | None = None
 
 
 class WorkerTuner:
@@ -101,6 +154,8 @@ class WorkerTuner:
         wait_low: wait fraction below which workers are surplus.
         gain: relative throughput gain added workers must bring to stay.
         cooldown: windows to hold still after undoing a move.
+        cores: the cores the workers share (default: the CPU affinity mask's); with the
+            windows' ``worker_sleep``, no trial asks for more cores than these.
         settle: windows to skip after adding workers before judging them: they hold the new
             workers' start-up (a process takes a few hundred milliseconds on a busy machine),
             and the batches queued behind its first, which would undervalue it.
@@ -108,11 +163,12 @@ class WorkerTuner:
 
     def __init__(self, start: int, maximum: int, minimum: int = 1, wait_high: float = 0.05,
                  wait_low: float = 0.01, gain: float = 0.05, cooldown: int = 5,
-                 settle: int = 2) -> None:
+                 settle: int = 2, cores: int | None = None) -> None:
         self.workers = max(minimum, min(start, maximum))
         self.minimum, self.maximum = minimum, maximum
         self.wait_high, self.wait_low = wait_high, wait_low
         self.gain, self.cooldown, self.settle = gain, cooldown, settle
+        self.cores = cores or available_cpus()
         self._last_move = 0  # workers added (> 0) or retired (< 0) by the last move, 0 none
         self._rates: list[float] = []  # batches/s of the windows at the current count
         self._before: float | None = None  # batches/s before the last move
@@ -163,11 +219,12 @@ class WorkerTuner:
         if self._hold:
             self._hold -= 1
             return 0, ""
-        if w.wait_fraction > self.wait_high and self.workers < self.maximum:
+        ceiling = min(self.maximum, self._cpu_ceiling(w))
+        if w.wait_fraction > self.wait_high and self.workers < ceiling:
             # A step in proportion to the wait (at most doubling): the climb to many I/O-bound
             # workers takes a few trials, and a large step's gain stands out of the noise.
             step = max(1, min(round(self.workers * w.wait_fraction), self.workers,
-                              self.maximum - self.workers))
+                              ceiling - self.workers))
             self._last_move = step
             idle = "" if w.idle_cores is None else f", {w.idle_cores:.1f} cores idle"
             return step, f"consumer waits {100 * w.wait_fraction:.0f}%{idle}: trying {step} more"
@@ -175,3 +232,11 @@ class WorkerTuner:
             self._last_move = -1
             return -1, f"consumer never waits ({100 * w.wait_fraction:.1f}%)"
         return 0, ""
+
+    def _cpu_ceiling(self, w: Window) -> int:
+        """The most workers whose CPU demand fits the cores, from the share of time they sleep
+        (unbounded where unknown). Beyond it a trial could only pay by taking the cores from
+        other processes of a shared machine, which the verdict would take for a gain."""
+        if w.worker_sleep is None or w.worker_sleep >= 1.0:
+            return self.maximum
+        return max(self.cores, int(self.cores / (1 - w.worker_sleep)))

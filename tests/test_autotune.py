@@ -1,17 +1,25 @@
 """The tuner's decisions on simulated rates: no clocks, no processes."""
 
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
 from fastfeed._proc import available_cpus
-from fastfeed.autotune import Window, WorkerTuner, initial_workers, memory_cap
+from fastfeed.autotune import Window, WorkerSleepMeter, WorkerTuner, initial_workers, memory_cap
 
 
-def simulate(tuner, rate_of, wait_of, idle=1.0, windows=30):
-    """Feed the tuner windows whose rate, wait (and idle cores, when ``idle`` is callable)
-    depend only on the worker count."""
+def simulate(tuner, rate_of, wait_of, idle=1.0, windows=30, sleep=None):
+    """Feed the tuner windows whose rate, wait (and idle cores and the workers' sleep, when
+    callable) depend only on the worker count."""
     counts = []
     for _ in range(windows):
         n = tuner.workers
         cores = idle(n) if callable(idle) else idle
-        counts.append(tuner.observe(Window(rate_of(n), wait_of(n), cores)))
+        asleep = sleep(n) if callable(sleep) else sleep
+        counts.append(tuner.observe(Window(rate_of(n), wait_of(n), cores, asleep)))
     return counts
 
 
@@ -67,13 +75,50 @@ def test_busy_cores_do_not_block_growth_that_pays():
     assert sum(n > 10 for n in counts) <= 6  # trials past the best are undone, and few
 
 
-def test_reaches_nine_tenths_of_the_best_fixed_count_on_the_io_case():
+@pytest.mark.parametrize("worker_sleep", [None, 6.0 / 6.5])  # unknown, or as measured
+def test_reaches_nine_tenths_of_the_best_fixed_count_on_the_io_case(worker_sleep):
     best = max(io_bound(n)[0] for n in range(1, 17))
-    tuner = WorkerTuner(2, maximum=16)
+    tuner = WorkerTuner(2, maximum=16, cores=2)
     counts = simulate(tuner, lambda n: io_bound(n)[0], lambda n: io_bound(n)[1],
-                      idle=lambda n: io_bound(n)[2], windows=60)
+                      idle=lambda n: io_bound(n)[2], windows=60, sleep=worker_sleep)
     assert io_bound(counts[-1])[0] >= 0.9 * best, tuner.log
     assert counts[-10:] == [counts[-1]] * 10  # settled
+
+
+def test_cpu_bound_workers_stay_within_the_cores_on_a_shared_machine():
+    # Other users' processes hold the cores: each added CPU-bound worker takes a bigger share
+    # of them, so throughput rises with the count, but the workers never sleep.
+    rate = lambda n: 10.0 * n  # noqa: E731
+    wait = lambda n: 0.5  # noqa: E731
+    tuner = WorkerTuner(2, maximum=16, cores=2)
+    assert max(simulate(tuner, rate, wait, idle=0.0, sleep=0.0)) == 2
+    # Half asleep (half I/O): room for twice the cores.
+    assert simulate(WorkerTuner(2, maximum=16, cores=2), rate, wait, sleep=0.5)[-1] == 4
+    # Without the sleep measurement the verdict alone cannot tell: it keeps them.
+    assert simulate(WorkerTuner(2, maximum=16, cores=2), rate, wait, sleep=None)[-1] > 2
+
+
+def _child(code):
+    return subprocess.Popen([sys.executable, "-c", code])
+
+
+@pytest.mark.skipif(not Path("/proc/self/schedstat").exists(), reason="needs Linux schedstat")
+def test_sleep_meter_tells_sleeping_workers_from_computing_ones():
+    sleeper = _child("import time\nwhile True: time.sleep(0.005)")
+    spinner = _child("while True: pass")
+    try:
+        time.sleep(0.3)
+        meters = {p.pid: WorkerSleepMeter() for p in (sleeper, spinner)}
+        assert all(m.sleep_fraction([pid]) is None for pid, m in meters.items())  # a start
+        time.sleep(0.5)
+        asleep = {pid: m.sleep_fraction([pid]) for pid, m in meters.items()}
+        # Waiting for a core (a busy machine) counts as computing, not as sleep.
+        assert asleep[sleeper.pid] > 0.5 > asleep[spinner.pid]
+        assert WorkerSleepMeter().sleep_fraction([2**22 + 12345]) is None  # no such task
+    finally:
+        for child in (sleeper, spinner):
+            child.kill()
+            child.wait()
 
 
 def test_cpu_bound_on_busy_cores_tries_once_then_stays():
