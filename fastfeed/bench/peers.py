@@ -67,7 +67,7 @@ class DaliRecipe:
         folder = ImageFolder(root)
 
         @pipeline_def
-        def pipeline():  # type: ignore[no-untyped-def]
+        def pipeline() -> Any:
             jpegs, labels = fn.readers.file(files=[p for p, _ in folder.samples],
                                             labels=folder.targets, random_shuffle=True,
                                             name="reader")
