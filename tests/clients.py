@@ -9,6 +9,9 @@ from __future__ import annotations
 import functools
 import io
 import random
+from typing import Any
+
+import numpy as np
 
 from fastfeed.vision.synthetic import make_image
 
@@ -26,3 +29,9 @@ def labelled_jpegs(count: int, classes: int = 5, seed: int = 0) -> tuple[tuple[b
     from Pillow's own unseeded noise, so two datasets compared must share these bytes."""
     rng = random.Random(seed)
     return tuple((jpeg(rng), i % classes) for i in range(count))
+
+
+def array_sample(index: int) -> dict[str, Any]:
+    """Sample ``index`` of the streaming datasets: a small uint8 image array and a label."""
+    rng = np.random.default_rng(index)
+    return {"x": rng.integers(0, 256, (3, 8, 8), dtype=np.uint8), "label": index % 5}
