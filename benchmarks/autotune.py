@@ -16,6 +16,9 @@ short epoch, or the first of a long run, sees. Configurations are interleaved ov
 ``--repeats`` and the medians reported, with "auto" as a ratio of the best fixed setting.
 
     python benchmarks/autotune.py
+    # the I/O case of issue 24 (batch 8, a 4 ms step), "auto" given 750 batches to climb:
+    python benchmarks/autotune.py --kinds io --modes process --step-ms 4 --batches 900 \\
+        --measure 150
 """
 
 from __future__ import annotations
@@ -70,7 +73,7 @@ class Synthetic(Dataset):
 
 
 BATCH = {"light": 32, "medium": 8, "heavy": 2, "io": 8}
-FIXED = {"io": [2, 4, 8, 12, 16]}  # other kinds: --fixed
+FIXED = {"io": [2, 4, 8, 12, 16]}  # the default of --fixed for these kinds; others: 0-4
 CORES = len(os.sched_getaffinity(0))
 
 
@@ -115,7 +118,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kinds", nargs="+", default=["light", "medium", "heavy", "io"])
-    parser.add_argument("--fixed", nargs="+", type=int, default=[0, 1, 2, 3, 4])
+    parser.add_argument("--fixed", nargs="+", type=int, default=None,
+                        help="fixed worker counts to compare with (default: 0-4, and for io "
+                             + " ".join(map(str, FIXED["io"])) + ")")
     parser.add_argument("--batches", type=int, default=260)
     parser.add_argument("--measure", type=int, default=60)
     parser.add_argument("--step-ms", type=float, default=5.0)
@@ -129,7 +134,8 @@ def main() -> None:
     warnings.filterwarnings("ignore", message="This DataLoader will create")
 
     configs = [(kind, w, "process") for kind in args.kinds
-               for w in [*FIXED.get(kind, args.fixed), "auto"] if "process" in args.modes]
+               for w in [*(args.fixed or FIXED.get(kind, [0, 1, 2, 3, 4])), "auto"]
+               if "process" in args.modes]
     configs += [(kind, w, "thread") for kind in args.kinds for w in (CORES, "auto")
                 if "thread" in args.modes]
     configs += [(kind, "auto", "auto") for kind in args.kinds if "auto" in args.modes]
