@@ -120,6 +120,6 @@ def test_chart_title_fits_with_two_configurations(with_stall):
     fig.canvas.draw()
     [suptitle] = [t for t in fig.findobj(Text) if t.get_text().startswith("classify")]
     box = suptitle.get_window_extent()
-    assert 0 <= box.x0 and box.x1 <= fig.bbox.x1 and box.y1 <= fig.bbox.y1
+    assert box.x0 >= 0 and box.x1 <= fig.bbox.x1 and box.y1 <= fig.bbox.y1
     assert " ".join(suptitle.get_text().split()) == title  # wrapped, not shortened
     plt.close(fig)
