@@ -29,10 +29,10 @@ from torchvision import transforms as T  # noqa: E402
 from fastfeed import FastLoader  # noqa: E402
 from fastfeed.vision.accelerate import FusedTransform, accelerate  # noqa: E402
 from fastfeed.vision.synthetic import make_imagefolder  # noqa: E402
-from tests.test_accelerate import STD, Recorder, assert_same_as_stock  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # whichever way pytest runs
 from benchmarks.recipes_pipeline import RECIPES  # noqa: E402
+from tests.test_accelerate import STD, Recorder, assert_same_as_stock  # noqa: E402
 
 TIMM = {
     "timm-random-interpolation": lambda: create_transform(
