@@ -96,31 +96,40 @@ class WorkerSleepMeter:
     the cores, and neither counts as sleep. Idle-cores readings cannot tell them apart there,
     and throughput alone cannot either: more CPU-bound workers than cores do raise throughput
     on a shared machine, by taking the cores from other users' processes.
+
+    A task is one thread: a worker process is measured by its main thread, which runs the
+    dataset and the collate (one read per worker). Its wait for threads a dataset starts
+    itself, and a thread worker's wait for the GIL, read as sleep: that errs towards more
+    workers, where the throughput verdict still decides.
+
+    Args:
+        tasks: tasks to take a first reading of, so that the first
+            :meth:`sleep_fraction` measures them.
     """
 
-    def __init__(self) -> None:
-        self._last: dict[int, tuple[int, float]] = {}  # task -> (run + run-queue ns, wall s)
+    def __init__(self, tasks: Iterable[int] = ()) -> None:
+        self._last = self._read(tasks)
 
     @staticmethod
-    def _busy_ns(task: int) -> int | None:
-        try:
-            with open(f"/proc/{task}/schedstat") as f:
-                on_cpu, run_queue = (int(v) for v in f.read().split()[:2])
-        except (OSError, ValueError):
-            return None
-        return on_cpu + run_queue
+    def _read(tasks: Iterable[int]) -> dict[int, tuple[int, float]]:
+        """task -> (ns running or in the run queue, wall s), for the tasks still there."""
+        now = time.monotonic()
+        readings = {}
+        for task in tasks:
+            try:
+                with open(f"/proc/{task}/schedstat") as f:
+                    on_cpu, run_queue = (int(v) for v in f.read().split()[:2])
+            except (OSError, ValueError):
+                continue  # the worker exited (retired, or at the end of its epoch)
+            readings[task] = (on_cpu + run_queue, now)
+        return readings
 
     def sleep_fraction(self, tasks: Iterable[int]) -> float | None:
         """Sleep share of ``tasks`` (worker pids, or native thread ids of thread workers)
-        since the last call; tasks first seen now start their measurement."""
-        now = time.monotonic()
+        since the last reading; tasks first seen now start their measurement."""
+        readings = self._read(tasks)
         busy = wall = 0.0
-        readings: dict[int, tuple[int, float]] = {}
-        for task in tasks:
-            ns = self._busy_ns(task)
-            if ns is None:
-                continue
-            readings[task] = (ns, now)
+        for task, (ns, now) in readings.items():
             if task in self._last:
                 last_ns, last_time = self._last[task]
                 busy += (ns - last_ns) / 1e9

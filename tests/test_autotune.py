@@ -1,12 +1,19 @@
-"""The tuner's decisions on simulated rates: no clocks, no processes."""
+"""The tuner's decisions on simulated rates (no clocks, no processes), and the measurements
+the worker pool feeds it."""
 
+import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+import torch
+from procs import alive
+from sample_datasets import SlowDataset
+from torch.utils.data import Dataset
 
+from fastfeed import FastLoader
 from fastfeed._proc import available_cpus
 from fastfeed.autotune import Window, WorkerSleepMeter, WorkerTuner, initial_workers, memory_cap
 
@@ -159,3 +166,85 @@ def test_starts_where_a_user_would():
     cores = available_cpus()
     assert start == min(cores, 8, maximum)
     assert maximum > cores or maximum == memory_cap()  # room to grow past the cores
+
+
+class SpinDataset(Dataset):
+    """Computes per sample (a busy loop): a CPU-bound worker that never sleeps."""
+
+    def __init__(self, n: int = 600, spin_s: float = 0.002):
+        self.n, self.spin_s = n, spin_s
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        end = time.perf_counter() + self.spin_s
+        while time.perf_counter() < end:
+            pass
+        return torch.tensor(i)
+
+
+class RecordingTuner(WorkerTuner):
+    """A real tuner that keeps the windows the pool feeds it and the counts it answers."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.windows: list[Window] = []
+        self.counts: list[int] = []
+
+    def observe(self, window):
+        self.windows.append(window)
+        self.counts.append(super().observe(window))
+        return self.counts[-1]
+
+
+def tuned_epoch(dataset, worker_mode, maximum=3):
+    """One epoch of ``num_workers="auto"``, from one worker, by a tuner told of one core (so
+    that a CPU-bound worker fills the cores it knows of); returns the tuner and the loader's
+    worker count at the end."""
+    loader = FastLoader(dataset, batch_size=4, num_workers="auto", worker_mode=worker_mode)
+    loader.num_workers = 1
+    tuner = RecordingTuner(1, maximum=maximum, cores=1)
+    loader._learned.tuner = tuner
+    for _ in loader:
+        pass
+    return tuner, loader.stats().workers
+
+
+@pytest.mark.skipif(not Path("/proc/self/schedstat").exists(), reason="needs Linux schedstat")
+@pytest.mark.parametrize("worker_mode", ["process", "thread"])
+def test_pool_feeds_the_workers_sleep_to_the_tuner(worker_mode):
+    sleeping, sleeping_workers = tuned_epoch(SlowDataset(n=800, delay=0.002), worker_mode)
+    spinning, spinning_workers = tuned_epoch(SpinDataset(), worker_mode)
+    for tuner, workers in ((sleeping, sleeping_workers), (spinning, spinning_workers)):
+        assert len(tuner.windows) >= 3
+        # Every window, the first included (the meter's first reading is at the workers'
+        # start), carries the measurement.
+        assert all(w.worker_sleep is not None for w in tuner.windows), tuner.windows
+        assert all(1 <= n <= 3 for n in tuner.counts) and 1 <= workers <= 3, tuner.log
+    asleep = statistics.median(w.worker_sleep for w in sleeping.windows)
+    computing = statistics.median(w.worker_sleep for w in spinning.windows)
+    assert asleep > computing, (sleeping.windows, spinning.windows)
+    # The consumer waits on both. Spinning workers already fill the one core the tuner
+    # knows of: no trial; sleeping ones grow past it (a second worker doubles throughput).
+    assert spinning.counts == [1] * len(spinning.counts), spinning.log
+    assert max(sleeping.counts) > 1, sleeping.log
+
+
+@pytest.mark.skipif(not Path("/proc/self/schedstat").exists(), reason="needs Linux schedstat")
+def test_sleep_meter_skips_tasks_that_exited():
+    child = _child("import time\ntime.sleep(30)")
+    other = _child("import time\ntime.sleep(30)")
+    try:
+        meter = WorkerSleepMeter([child.pid, other.pid])  # the first reading
+        child.kill()
+        child.wait()
+        assert not alive(child.pid)
+        time.sleep(0.05)
+        # The exited task is left out, the other still measured.
+        assert meter.sleep_fraction([child.pid, other.pid]) is not None
+        assert meter.sleep_fraction([child.pid]) is None  # nothing left to measure
+    finally:
+        for process in (child, other):
+            process.kill()
+            process.wait()

@@ -42,6 +42,14 @@ class WorkerHandle:
         """The process id (this process's, for a thread)."""
         return getattr(self.runner, "pid", None) or os.getpid()
 
+    @property
+    def task_id(self) -> int | None:
+        """The kernel task that runs the worker's loop: the process's pid, or the thread's
+        native id (``/proc/<id>`` names either); None before the worker starts."""
+        if isinstance(self.runner, threading.Thread):
+            return self.runner.native_id
+        return getattr(self.runner, "pid", None)
+
     def exit_reason(self) -> str | None:
         """Why the worker is gone, or None while it runs."""
         exitcode = getattr(self.runner, "exitcode", None)

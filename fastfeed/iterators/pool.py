@@ -21,7 +21,7 @@ from typing import Any
 from torch._utils import ExceptionWrapper
 from torch.utils.data import DataLoader
 
-from fastfeed.autotune import CpuMeter, Window
+from fastfeed.autotune import CpuMeter, Window, WorkerSleepMeter
 from fastfeed.codec import Encoded, decode
 from fastfeed.iterators.backends import make_backend
 from fastfeed.iterators.base import BaseIterator
@@ -118,6 +118,10 @@ class WorkerPoolIterator(BaseIterator):
             self._shutdown_workers()
             raise
         self._size_ring()
+        # Read as each tuner window closes (one /proc read per worker); the first reading is
+        # now, so that the first window is measured too.
+        self._sleep = (WorkerSleepMeter(self._worker_tasks()) if self._tuner is not None
+                       else None)
         self._reset(loader, first_iter=True)
 
     @property
@@ -420,13 +424,19 @@ class WorkerPoolIterator(BaseIterator):
         elapsed = now - start
         if elapsed <= 0:
             return
-        assert self._cpu is not None
+        assert self._cpu is not None and self._sleep is not None
         window = Window(batches / elapsed, min(1.0, (waited - start_waited) / elapsed),
-                        self._cpu.idle_cores())
+                        self._cpu.idle_cores(), self._sleep.sleep_fraction(self._worker_tasks()))
         wanted = self._tuner.observe(window)
         if wanted != self._workers.serving:
             self._telemetry.decision(self._tuner.log[-1])
             self._resize(wanted)
+
+    def _worker_tasks(self) -> list[int]:
+        """The kernel tasks of the workers that take tasks, for the sleep meter: a retiring
+        worker is winding down, and an exited one has nothing left to read."""
+        return [task for w in self._workers
+                if w.state is WorkerState.ACTIVE and (task := w.handle.task_id) is not None]
 
     def _resize(self, wanted: int) -> None:
         while self._workers.serving < wanted:
