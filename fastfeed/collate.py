@@ -18,10 +18,11 @@ from fastfeed._copy import stack_into
 from fastfeed._torch_compat import collate_tensor_fn, collate_with
 from fastfeed.ring import Arena
 
-__all__ = ["collate_into"]
+__all__ = ["collate_into", "stackable"]
 
 
-def _stackable(samples: Sequence[Any]) -> bool:
+def stackable(samples: Sequence[Any]) -> bool:
+    """Whether ``samples`` are plain CPU tensors of one shape and dtype (the fast stack)."""
     first = samples[0]
     return all(
         type(s) is torch.Tensor
@@ -37,7 +38,7 @@ def _stackable(samples: Sequence[Any]) -> bool:
 def _stack_into_arena(
     arena: Arena, samples: Sequence[torch.Tensor], *, collate_fn_map: Any = None
 ) -> torch.Tensor:
-    if _stackable(samples):
+    if stackable(samples):
         out = arena.empty((len(samples), *samples[0].shape), samples[0].dtype)
         if out is not None:
             stack_into(out, samples)

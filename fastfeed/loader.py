@@ -5,12 +5,12 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Iterable
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from fastfeed._torch_compat import is_datapipe, is_iterable_dataset
+from fastfeed._torch_compat import default_collate, is_datapipe, is_iterable_dataset
 from fastfeed.autotune import WorkerTuner, initial_workers
 from fastfeed.device import (
     Copier,
@@ -26,12 +26,20 @@ from fastfeed.resume import EpochStart, LoaderState
 from fastfeed.ring import SlotRing, ring_supported
 from fastfeed.telemetry import GpuSampler, LoaderStats, Telemetry
 
+if TYPE_CHECKING:
+    from fastfeed.vision.accelerate import BatchTail
+
 __all__ = ["FastLoader"]
 
 
 def _summary(loader_ref: weakref.ref[FastLoader]) -> str:
     loader = loader_ref()
     return "" if loader is None else loader.stats().summary()
+
+
+def _chain(first: Callable[[Any], Any], then: Callable[[Any], Any] | None
+           ) -> Callable[[Any], Any]:
+    return first if then is None else lambda batch: then(first(batch))
 
 
 def _is_int(value: Any, minimum: int) -> bool:
@@ -196,6 +204,7 @@ class FastLoader(DataLoader):
         self._live_iterator: Callable[[], Any] = lambda: None
         self._learned = Learned()  # what iterators learn for the next ones
         self._decided_mode = False
+        self._split: tuple[Dataset, BatchTail] | None = None  # see _batch_tail_split
 
     def __setattr__(self, name: str, value: Any) -> None:
         # A count set by hand replaces the tuner's. Subclasses may set num_workers before
@@ -208,7 +217,7 @@ class FastLoader(DataLoader):
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__
         runtime = ("_telemetry", "_gpu_sampler", "_target", "_copy_stream", "_ring",
-                   "_live_iterator", "_learned", "_decided_mode", "_iterator")
+                   "_live_iterator", "_learned", "_decided_mode", "_split", "_iterator")
         return {k: v for k, v in state.items() if k not in runtime}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -294,6 +303,20 @@ class FastLoader(DataLoader):
             self._ring = SlotRing(max_slots=0, pin=pin)
         return self._ring
 
+    def _batch_tail_split(self) -> tuple[Dataset, BatchTail] | None:
+        """``(dataset, tail)`` when the dataset comes from :func:`fastfeed.vision.accelerate`
+        and its tail (``ToTensor``, ``Normalize``, ...) can run on whole batches: the workers
+        then read ``dataset``, whose items stop at uint8, and ``tail`` finishes each batch,
+        on the device when there is one (a quarter of the bytes cross to it), else in the
+        workers, straight into the ring slot. The values are those of the per-sample
+        pipeline. Only with torch's default collate, which the tail knows the output of."""
+        if (self.collate_fn is not default_collate or not self._auto_collation
+                or getattr(self.dataset, "transform", None) is None):
+            return None
+        from fastfeed.vision.accelerate import deferred_for_device
+
+        return deferred_for_device(self.dataset)
+
     def _iterator_setup(self) -> IteratorSetup:
         """Everything fastfeed decides for the next iterator (see ``iterators/setup.py``)."""
         # Replicas of an IterableDataset shard by worker count: keep it fixed.
@@ -303,6 +326,13 @@ class FastLoader(DataLoader):
             tuner.restart(self.num_workers)
             self._learned.tuner = tuner
         worker_mode = self._worker_mode_for_next_iterator()
+        dataset = collate_fn = None
+        if self._split is not None:
+            from fastfeed.vision.accelerate import TailCollate
+
+            dataset, tail = self._split
+            if self.device is None:  # else the device iterator runs the tail
+                collate_fn = TailCollate(tail)
         return IteratorSetup(
             telemetry=self._telemetry,
             learned=self._learned,
@@ -314,6 +344,8 @@ class FastLoader(DataLoader):
             held_by_prefetch=0 if self.device is None else self.prefetch_depth + 1,
             ring_slots=self.ring_slots,
             deterministic=self.deterministic,
+            dataset=dataset,
+            collate_fn=collate_fn,
         )
 
     def state_dict(self) -> dict[str, Any]:
@@ -346,6 +378,7 @@ class FastLoader(DataLoader):
         self._sync_tuned_workers()
         if self.device is not None and self._target is None:
             self._target = resolve_device(self.device)
+        self._split = self._batch_tail_split()
         iterator = self._wrap(super().__iter__())
         self._live_iterator = weakref.ref(iterator)
         return iterator
@@ -372,8 +405,10 @@ class FastLoader(DataLoader):
             if self._copy_stream is None:
                 self._copy_stream = torch.cuda.Stream(self._target)
             copier = StreamCopier(self._target, self._copy_stream)
-        return DeviceIterator(host, copier, self.prefetch_depth, self.gpu_transform,
-                              self._telemetry)
+        transform = self.gpu_transform
+        if self._split is not None:  # the accelerated dataset's tail first, on the copy stream
+            transform = _chain(self._split[1], transform)
+        return DeviceIterator(host, copier, self.prefetch_depth, transform, self._telemetry)
 
     def _get_iterator(self) -> Any:
         if is_datapipe(self.dataset):

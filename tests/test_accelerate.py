@@ -29,10 +29,13 @@ from torchvision import transforms as T  # noqa: E402
 from torchvision.transforms import v2  # noqa: E402
 
 from fastfeed import FastLoader  # noqa: E402
+from fastfeed._torch_compat import default_collate  # noqa: E402
+from fastfeed.ring import Arena  # noqa: E402
 from fastfeed.vision import ImageFolder as FastImageFolder  # noqa: E402
 from fastfeed.vision.accelerate import (  # noqa: E402
     BatchTail,
     FusedTransform,
+    TailCollate,
     accelerate,
     batch_tail,
     deferred_for_device,
@@ -88,6 +91,8 @@ PIPELINES = {
     "reference-eval": ReferencePresetEval,
     # Tails that can run on whole batches.
     "reference-train-batchable": lambda: ReferencePresetTrain(176),
+    "v1-eval-padded": lambda: T.Compose([T.Resize(48), T.CenterCrop(64), T.ToTensor(),
+                                         T.Normalize(MEAN, STD)]),
     "v2-batchable": lambda: v2.Compose([v2.RandomResizedCrop(176), v2.RandomHorizontalFlip(),
                                         v2.PILToTensor(), v2.ToDtype(torch.float, scale=True),
                                         v2.Normalize(MEAN, STD), v2.ToPureTensor()]),
@@ -320,7 +325,7 @@ def test_batches_match_torch_dataloader_side_by_side(name, root):
 def test_deferred_tail_gives_identical_values(name, defer, root):
     stock = datasets.ImageFolder(str(root), transform=PIPELINES[name]())
     kwargs = {"batch_size": 5, "shuffle": True, "num_workers": 2}
-    per_sample = FastLoader(accelerate(stock), generator=torch.Generator().manual_seed(1),
+    per_sample = DataLoader(accelerate(stock), generator=torch.Generator().manual_seed(1),
                             **kwargs)
     if defer == "defer_tail":
         deferred = accelerate(stock, defer_tail=True)
@@ -335,6 +340,123 @@ def test_deferred_tail_gives_identical_values(name, defer, root):
         assert type(device_images) is type(images) and torch.equal(device_images, images)
     item, _ = deferred[0]
     assert item.dtype == torch.uint8
+
+
+LOADER_MODES = {
+    "0-workers": {"num_workers": 0},
+    "2-workers": {"num_workers": 2},
+    "2-workers-persistent": {"num_workers": 2, "persistent_workers": True},
+    "threads": {"num_workers": 2, "worker_mode": "thread"},
+    "device-cpu": {"num_workers": 2, "device": "cpu"},
+}
+
+
+@pytest.mark.parametrize("mode", LOADER_MODES)
+@pytest.mark.parametrize("name", ["v1-train", "v2-batchable", "reference-train-batchable",
+                                  "v1-eval-padded", "v1-uint8", "v1-jitter"])
+def test_accelerated_batches_equal_the_per_sample_pipeline(name, mode, root):
+    """Issue 24, parts 1 and 2: FastLoader runs an accelerated dataset's batchable tail on
+    whole batches (in the workers, straight into the ring slot; or on the device), and gives
+    exactly the batches of torch's DataLoader over the same dataset, item by item."""
+    if mode == "threads" and name != "v1-eval-padded":
+        pytest.skip("threads share the global RNGs: the order of random draws varies")
+    fast = accelerate(datasets.ImageFolder(str(root), transform=PIPELINES[name]()))
+    kwargs = {"batch_size": 4, "shuffle": True}
+    options = LOADER_MODES[mode]
+    torch_options = {k: v for k, v in options.items() if k not in ("device", "worker_mode")}
+    stock = DataLoader(fast, generator=torch.Generator().manual_seed(3), **torch_options,
+                       **kwargs)
+    loader = FastLoader(fast, generator=torch.Generator().manual_seed(3), **options, **kwargs)
+
+    def two_epochs(loader):  # one after the other: without workers, both draw from torch's RNG
+        torch.manual_seed(0)
+        return [batch for _ in range(2) for batch in loader]
+
+    expected, got = two_epochs(stock), two_epochs(loader)
+    assert len(got) == len(expected) == 2 * len(stock)
+    for (images, targets), (fast_images, fast_targets) in zip(expected, got, strict=True):
+        assert torch.equal(fast_targets, targets)
+        assert type(fast_images) is type(images) and torch.equal(fast_images, images)
+
+
+def test_what_the_workers_run(root):
+    """The decision: workers read uint8 items; without a device they collate with the tail
+    into the slot, with one the device iterator runs the tail; a custom collate_fn, a
+    per-sample tail or a dataset not from accelerate leaves the loader as it is."""
+    fast = accelerate(datasets.ImageFolder(str(root), transform=PIPELINES["v1-train"]()))
+    iterator = iter(FastLoader(fast, batch_size=4, num_workers=1))
+    assert isinstance(iterator._collate_fn, TailCollate)
+    assert iterator._dataset.transform.defer_tail and iterator._dataset[0][0].dtype == torch.uint8
+    on_device = iter(FastLoader(fast, batch_size=4, num_workers=1, device="cpu"))
+    assert on_device._host._collate_fn is default_collate
+    assert on_device._host._dataset.transform.defer_tail
+    assert isinstance(on_device._transform, BatchTail)
+    per_sample = accelerate(datasets.ImageFolder(str(root), transform=PIPELINES["v1-jitter"]()))
+    stock = datasets.ImageFolder(str(root), transform=PIPELINES["v1-train"]())
+    for loader in (FastLoader(fast, batch_size=4, collate_fn=lambda b: default_collate(b)),
+                   FastLoader(per_sample, batch_size=4), FastLoader(stock, batch_size=4),
+                   FastLoader(fast, batch_size=None)):
+        iterator = iter(loader)
+        assert not isinstance(iterator._collate_fn, TailCollate)
+        assert iterator._dataset is loader.dataset
+
+
+@pytest.mark.parametrize(("name", "in_slot"), [
+    ("v1-train", True), ("reference-train-batchable", True), ("v2-batchable", False)])
+def test_tail_collate_writes_the_float_batch_into_the_slot(name, in_slot, root):
+    """In a worker, the float batch is computed where the slot's arena puts it, with the
+    values and structure of default_collate + the tail; without room, the same values. A
+    tail that does not start with a division by 255 runs as it is."""
+    fast = accelerate(datasets.ImageFolder(str(root), transform=PIPELINES[name]()))
+    deferred, tail = deferred_for_device(fast)
+    collate = TailCollate(tail)
+    samples = [deferred[i] for i in range(5)]
+    expected = collate(samples)
+    arena = Arena(0, torch.zeros(8 << 20, dtype=torch.uint8))
+    images, targets = collate.collate_into(samples, arena.empty_or_new)
+    assert arena.owns(images) == in_slot and torch.equal(images, expected[0])
+    assert torch.equal(targets, expected[1]) and torch.equal(targets, default_collate(
+        [s[1] for s in samples]))
+    no_room = Arena(0, torch.zeros(1024, dtype=torch.uint8))
+    images, _ = collate.collate_into(samples, no_room.empty_or_new)
+    assert not no_room.owns(images) and torch.equal(images, expected[0])
+    assert pickle.loads(pickle.dumps(collate))._staging is None
+
+
+class Divisions(TorchFunctionMode):
+    """Records divisions by a Python number (CUDA computes those as a multiply by the
+    reciprocal: not the CPU's result)."""
+
+    def __init__(self):
+        super().__init__()
+        self.by_number = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", str(func))
+        if name in ("div", "div_", "true_divide", "__truediv__", "__itruediv__"):
+            divisor = args[1] if len(args) > 1 else kwargs.get("other")
+            if not isinstance(divisor, torch.Tensor):
+                self.by_number.append(f"{name}({divisor!r})")
+        return func(*args, **kwargs)
+
+
+def test_the_device_tail_divides_by_tensors(root):
+    """On CUDA, ``x / 255`` with a Python 255 is ``x * (1/255)``, which differs from the CPU's
+    true division (torchvision's ToTensor) in the last bit of 126 of the 256 grey levels. The
+    deferred tail divides by tensors only, so the device gives the per-sample values."""
+    x = np.arange(256, dtype=np.float32)
+    assert (x / np.float32(255) != x * (np.float32(1) / np.float32(255))).sum() == 126
+    for name in ("v1-train", "reference-train-batchable", "v1-uint8"):
+        stock = datasets.ImageFolder(str(root), transform=PIPELINES[name]())
+        _, tail = deferred_for_device(accelerate(stock))
+        batch = [torch.empty(4, 3, 8, 8, dtype=torch.uint8, device="meta"), torch.zeros(4)]
+        with Divisions() as divisions:
+            tail(batch)
+        assert divisions.by_number == [], name
+    with Divisions() as divisions:  # what the test catches: torchvision's own ToTensor
+        T.ToTensor()(Image.new("RGB", (4, 4)))
+    assert divisions.by_number
 
 
 def test_batch_tail_needs_a_deferred_dataset(root):

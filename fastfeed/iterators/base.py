@@ -28,7 +28,7 @@ class BaseIterator:
 
     def __init__(self, loader: DataLoader, setup: IteratorSetup) -> None:
         self._setup = setup
-        self._dataset = loader.dataset
+        self._dataset: Any = loader.dataset if setup.dataset is None else setup.dataset
         self._iterable = is_iterable_dataset(loader.dataset)
         self._len_called = loader._IterableDataset_len_called
         self._auto_collation = loader.batch_sampler is not None
@@ -36,7 +36,7 @@ class BaseIterator:
         self._index_sampler = loader._index_sampler
         self._num_workers = loader.num_workers
         self._timeout = loader.timeout
-        self._collate_fn = loader.collate_fn
+        self._collate_fn = loader.collate_fn if setup.collate_fn is None else setup.collate_fn
         self._persistent_workers = loader.persistent_workers
         self._telemetry = setup.telemetry
         self.records_delivery = True  # False when a DeviceIterator wraps this one and records

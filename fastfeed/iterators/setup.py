@@ -7,7 +7,9 @@ back into ``FastLoader``: the dependency runs one way, loader to iterators.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastfeed.autotune import WorkerTuner
 from fastfeed.resume import LoaderState
@@ -45,3 +47,7 @@ class IteratorSetup:
     held_by_prefetch: int = 0  # host batches a device prefetcher holds on to
     ring_slots: int | None = None
     deterministic: bool = False
+    # What the workers run instead of the loader's dataset and collate_fn (same batches): an
+    # accelerated dataset whose tail runs on whole batches (see FastLoader._batch_tail_split).
+    dataset: Any = None
+    collate_fn: Callable[[list], Any] | None = None

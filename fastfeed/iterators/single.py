@@ -31,7 +31,7 @@ class SingleProcessIterator(BaseIterator):
         super()._reset(loader, first_iter)
         self._tracks_state = self._iterable and has_snapshot_protocol(self._dataset)
         if self._tracks_state and self._dataset_states[0] is not None:
-            self._dataset.load_state_dict(self._dataset_states[0])  # type: ignore[attr-defined]
+            self._dataset.load_state_dict(self._dataset_states[0])
         self._fetcher = make_fetcher(
             self._dataset, self._iterable, self._auto_collation, self._drop_last
         )
@@ -42,7 +42,7 @@ class SingleProcessIterator(BaseIterator):
         samples, skipped = drop_skipped(self._fetcher.fetch(index))
         self._telemetry.skipped += skipped
         if self._tracks_state:
-            self._dataset_states[0] = self._dataset.state_dict()  # type: ignore[attr-defined]
+            self._dataset_states[0] = self._dataset.state_dict()
         fetched = time.perf_counter()
         batch = self._collate_fn(samples)
         self._telemetry.add_stage("fetch", fetched - start)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ast
 import copy
+import functools
 import inspect
 import io
 import random
@@ -41,12 +42,15 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
+from fastfeed._copy import stack_into
+from fastfeed._torch_compat import default_collate
+from fastfeed.collate import stackable
 from fastfeed.vision.decode import Box, decode_resized_crop, image_size
 from fastfeed.vision.folder import ImageFolder
 
 __all__ = [
-    "BatchTail", "EncodedImage", "FusedTransform", "UnsupportedPipeline", "accelerate",
-    "batch_tail", "deferred_for_device", "read_encoded",
+    "BatchTail", "EncodedImage", "FusedTransform", "TailCollate", "UnsupportedPipeline",
+    "accelerate", "batch_tail", "deferred_for_device", "read_encoded",
 ]
 
 _TIMM_RRC = "timm.RandomResizedCropAndInterpolation"
@@ -301,6 +305,15 @@ def _needs_padding(geometry: list[tuple[str, Any]], width: int, height: int) -> 
 # --------------------------------------------------------------------------- transforms
 
 
+@functools.cache
+def _divisor_255(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """255 as a tensor on the images' device, made once per device (no host-to-device copy
+    per batch). CUDA divides by a Python number as a multiply by its reciprocal, which differs
+    from the CPU's true division (torchvision's ``ToTensor``) in the last bit of half of the
+    values x/255; dividing by a tensor is a true division on every device."""
+    return torch.tensor(255, dtype=dtype, device=device)
+
+
 def _convert(images: torch.Tensor, conversion: tuple[str, Any] | None) -> Any:
     """uint8 CHW (or a batch of them) to what the prefix's conversion returns for the
     equivalent PIL image; without a conversion, that PIL image (RGB, as the stock prefix
@@ -309,7 +322,8 @@ def _convert(images: torch.Tensor, conversion: tuple[str, Any] | None) -> Any:
         return Image.merge("RGB", [Image.fromarray(plane) for plane in images.numpy()])
     kind, transform = conversion
     if kind in _TO_FLOAT:  # torchvision's to_tensor's cast and division (in place: one tensor)
-        return images.to(dtype=torch.get_default_dtype()).div_(255)
+        converted = images.to(dtype=torch.get_default_dtype())
+        return converted.div_(_divisor_255(converted.device, converted.dtype))
     if kind == "ToImage":
         from torchvision import tv_tensors
 
@@ -375,6 +389,9 @@ class FusedTransform:
                             f"{type(encoded).__name__}: keep the dataset's loader")
         width, height = image_size(encoded.data, encoded.path)
         if _needs_padding(self.plan.geometry, width, height):
+            if self.defer_tail:  # the stock geometry (its draws, its padding), as uint8 CHW
+                image = _run([t for _, t in self.plan.geometry], encoded.to_pil())
+                return torch.from_numpy(np.array(image)).permute(2, 0, 1).contiguous()
             return self.original(encoded.to_pil())
         window = self._window(width, height)
         box = window.source_box(width, height)
@@ -426,11 +443,12 @@ class _Normalize:
                                     std.view(-1, 1, 1).to(images.device))
         return self._on_device[key]
 
-    def __call__(self, images: torch.Tensor) -> torch.Tensor:
+    def __call__(self, images: torch.Tensor, inplace: bool = False) -> torch.Tensor:
         if not images.is_floating_point():
             raise TypeError(f"Input tensor should be a float tensor. Got {images.dtype}.")
         mean, std = self._statistics(images)
-        out = images.sub(mean).div_(std)  # torchvision: clone, sub_, div_: the same values
+        # torchvision: clone, sub_, div_: the same values
+        out = (images.sub_(mean) if inplace else images.sub(mean)).div_(std)
         if type(images) is torch.Tensor:
             return out
         from torchvision import tv_tensors  # v2 keeps the input's TVTensor type
@@ -438,8 +456,26 @@ class _Normalize:
         return tv_tensors.wrap(out, like=images)
 
 
+class _ToFloat:
+    """torchvision's (v1) ``ConvertImageDtype`` to a float dtype, on uint8 images: the same
+    true division by 255, by a tensor. torchvision divides by a Python number, which CUDA
+    computes as a multiply by the reciprocal: not the per-sample (CPU) values."""
+
+    def __init__(self, convert: Any) -> None:
+        self.convert = convert
+        self.dtype: torch.dtype = convert.dtype
+
+    def __call__(self, image: Any) -> Any:
+        if (type(image) is not torch.Tensor or image.dtype != torch.uint8
+                or not self.dtype.is_floating_point):
+            return self.convert(image)
+        converted = image.to(self.dtype)
+        return converted.div_(_divisor_255(converted.device, converted.dtype))
+
+
 def _tail_ops(tail: list[Any]) -> list[Callable[[Any], Any]]:
-    """The user's tail, with the pieces that have a same-valued faster form swapped for it."""
+    """The user's tail, with the pieces that have a same-valued faster (or device-safe) form
+    swapped for it."""
     ops: list[Callable[[Any], Any]] = []
     for transform in tail:
         kind = _kind(transform)
@@ -447,6 +483,9 @@ def _tail_ops(tail: list[Any]) -> list[Callable[[Any], Any]]:
             ops.append(_Normalize(transform))
         elif kind in _TO_FLOAT:
             ops.append(_FloatFromPIL(transform))
+        elif kind == "ConvertImageDtype" and type(transform).__module__.endswith(
+                "transforms.transforms"):  # v1; v2 multiplies, the same on every device
+            ops.append(_ToFloat(transform))
         else:
             ops.append(transform)
     return ops
@@ -466,6 +505,81 @@ class BatchTail:
     def __call__(self, batch: Any) -> Any:
         images, *rest = batch
         return type(batch)([_run(self.ops, _convert(images, self.conversion)), *rest])
+
+    def _float_start(self) -> tuple[torch.dtype, list[Callable[[Any], Any]]] | None:
+        """``(dtype, the ops after it)`` when the tail starts by dividing the uint8 images by
+        255 into floats (``ToTensor``; ``PILToTensor`` then ``ConvertImageDtype``)."""
+        if self.conversion is not None and self.conversion[0] in _TO_FLOAT:
+            return torch.get_default_dtype(), self.ops
+        if (self.conversion is not None and self.conversion[0] in _TO_UINT8 and self.ops
+                and isinstance(self.ops[0], _ToFloat) and self.ops[0].dtype.is_floating_point):
+            return self.ops[0].dtype, self.ops[1:]
+        return None
+
+    @property
+    def converts_to_float(self) -> bool:
+        """Whether :meth:`into` can run: the tail starts with a uint8 to float division."""
+        return self._float_start() is not None
+
+    def into(self, images: torch.Tensor, empty: Callable[[tuple[int, ...], torch.dtype],
+                                                         torch.Tensor]) -> Any:
+        """The tail of the uint8 ``images``, computed in memory from ``empty`` (a ring slot's
+        allocator) with no float batch in between: the conversion writes there, and
+        ``Normalize`` works in place. The same values as :meth:`__call__` on ``images``.
+        Needs :attr:`converts_to_float`."""
+        start = self._float_start()
+        assert start is not None
+        dtype, ops = start
+        result: Any = empty(tuple(images.shape), dtype)
+        result.copy_(images).div_(_divisor_255(result.device, result.dtype))
+        owned = result
+        for op in ops:
+            if isinstance(op, _Normalize) and result is owned:
+                result = op(result, inplace=True)
+            else:
+                result = op(result)
+        return result
+
+
+class TailCollate:
+    """``default_collate``, then a :class:`BatchTail`: how :class:`~fastfeed.FastLoader`
+    collates an accelerated dataset whose tail runs on whole batches.
+
+    The items stop at uint8 (a quarter of the bytes of float32). In a worker,
+    :meth:`collate_into` stacks them once into a private buffer, then computes the float batch
+    straight into the ring slot: the per-sample pipeline would allocate, fault in and write a
+    float tensor per image, then copy the batch again at collate. Values equal the per-sample
+    pipeline's, and the structure equals ``default_collate``'s.
+    """
+
+    def __init__(self, tail: BatchTail) -> None:
+        self.tail = tail
+        self._staging: torch.Tensor | None = None  # per process: workers each unpickle a copy
+
+    def __call__(self, samples: list) -> Any:
+        return self.tail(default_collate(samples))
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"tail": self.tail, "_staging": None}
+
+    def collate_into(self, samples: list,
+                     empty: Callable[[tuple[int, ...], torch.dtype], torch.Tensor]) -> Any:
+        """Collate ``samples`` (``(uint8 image, target, ...)`` tuples) with the float images
+        allocated by ``empty``; anything else takes :meth:`__call__`."""
+        first = samples[0] if samples else None
+        if not (self.tail.converts_to_float and isinstance(first, tuple)
+                and all(type(s) is tuple and len(s) == len(first) for s in samples)):
+            return self(samples)
+        images = [s[0] for s in samples]
+        if images[0].dtype != torch.uint8 or not stackable(images):
+            return self(samples)
+        shape = (len(images), *images[0].shape)
+        if self._staging is None or self._staging.shape != shape:
+            self._staging = torch.empty(shape, dtype=torch.uint8)
+        stack_into(self._staging, images)
+        # default_collate of tuples: a list, one collated entry per position
+        rest = [default_collate(list(column)) for column in list(zip(*samples, strict=True))[1:]]
+        return [self.tail.into(self._staging, empty), *rest]
 
 
 # --------------------------------------------------------------------------- entry point
