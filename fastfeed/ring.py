@@ -104,11 +104,12 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def _map(fd: int, nbytes: int) -> mmap.mmap:
-    # MAP_POPULATE faults every page in now, once, instead of on each batch's first write.
-    # Before Python 3.13, mmap keeps a dup of the fd for as long as the mapping lives.
+def _map(fd: int, nbytes: int, populate: bool) -> mmap.mmap:
+    # MAP_POPULATE allocates and faults in every page now, once, instead of on the first batch
+    # written there. Before Python 3.13, mmap keeps a dup of the fd while the mapping lives.
     options = {"trackfd": False} if sys.version_info >= (3, 13) else {}
-    return mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, **options)
+    flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
+    return mmap.mmap(fd, nbytes, flags=flags, **options)
 
 
 @dataclass(eq=False)
@@ -299,7 +300,10 @@ class SlotRing:
         fd = os.memfd_create(f"fastfeed-slot-{self._next_id}", os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, nbytes)
-            memory = np.frombuffer(_map(fd, nbytes), dtype=np.uint8)
+            # Not populated here: the worker's mapping allocates the pages, off the critical
+            # path of the main process (a growing ring would otherwise stall the consumer for
+            # about 40 ms per 40 MB slot); this side then maps them on first read.
+            memory = np.frombuffer(_map(fd, nbytes, populate=False), dtype=np.uint8)
         except BaseException:
             os.close(fd)
             raise
@@ -372,7 +376,8 @@ class WorkerSlots:
             _, slot_id, nbytes = message
             fd = recv_handle(self._control)
             try:
-                self._buffers[slot_id] = torch.frombuffer(_map(fd, nbytes), dtype=torch.uint8)
+                self._buffers[slot_id] = torch.frombuffer(_map(fd, nbytes, populate=True),
+                                                          dtype=torch.uint8)
             finally:
                 os.close(fd)
         else:
