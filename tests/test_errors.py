@@ -1,11 +1,13 @@
 """Failures are loud and clean (DESIGN.md invariant 5), and behave as torch's do."""
 
+import gc
 import os
 import signal
 import subprocess
 import sys
 import textwrap
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -205,5 +207,26 @@ def test_many_abandoned_iterators_leak_nothing():
     for _ in range(30):
         partial_epoch(int(torch.randint(0, 17, (), generator=generator)))
     assert_no_leaks(with_ring)
+    # every slot back: none is held by a task that will never run
+    assert wait_until(partial(slots_in_use_settle, loader._ring))
     del loader, partial_epoch  # the ring is the loader's: it goes with it
     assert_no_leaks(before)
+
+
+def slots_in_use_settle(ring) -> bool:
+    gc.collect()
+    return ring.occupancy[0] == 0
+
+
+def test_a_break_gives_every_slot_back():
+    """Tasks in flight when an epoch is abandoned hold tickets: they return to the loader's
+    ring once the workers are gone, so the ring never fills up with slots nobody owns and
+    later epochs keep the fast path. (Persistent workers answer them at the next epoch.)"""
+    loader = FastLoader(TensorDataset(n=64), batch_size=4, num_workers=2)
+    for _ in range(6):
+        for i, _batch in enumerate(loader):
+            if i == 1:
+                break
+        del _batch
+        assert wait_until(partial(slots_in_use_settle, loader._ring)), loader._ring.occupancy
+    assert loader._ring.occupancy[1] <= loader._ring.max_slots

@@ -13,6 +13,7 @@ import queue
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -111,10 +112,12 @@ class ProcessBackend:
         except OSError:
             pass  # the worker died; the pool's liveness check reports it
 
-    def shutdown(self, handles: list[WorkerHandle], wait: bool = True) -> None:
+    def shutdown(self, handles: list[WorkerHandle], wait: bool = True,
+                 then: Callable[[], None] | None = None) -> None:
         """Ask the workers to exit, then join them (terminating any still busy after the
-        grace). With ``wait=False`` (from a finaliser) a reaper thread joins them instead, so
-        that the thread the garbage collector happened to run in is never blocked."""
+        grace), then call ``then``: nothing of theirs can write shared memory any more. With
+        ``wait=False`` (from a finaliser) a reaper thread joins them instead, so that the
+        thread the garbage collector happened to run in is never blocked."""
         self.shutting_down.value = True
         try:
             for handle in handles:
@@ -123,18 +126,19 @@ class ProcessBackend:
         finally:
             if wait:
                 try:
-                    self._stop(handles, SHUTDOWN_GRACE)
+                    self._stop(handles, SHUTDOWN_GRACE, then)
                 finally:
                     self._close(handles)
             else:
                 # The reaper closes nothing: reference counting does, once it drops the
                 # handles. The collector may already have finalised (closed) these pipes,
                 # and closing one again could close an fd number reused since.
-                threading.Thread(target=self._stop, args=(handles, ABANDONED_GRACE),
+                threading.Thread(target=self._stop, args=(handles, ABANDONED_GRACE, then),
                                  name="fastfeed-reaper", daemon=True).start()
 
     @staticmethod
-    def _stop(handles: list[WorkerHandle], grace: float) -> None:
+    def _stop(handles: list[WorkerHandle], grace: float,
+              then: Callable[[], None] | None = None) -> None:
         try:
             deadline = time.monotonic() + grace
             for handle in handles:
@@ -144,6 +148,8 @@ class ProcessBackend:
                 if handle.runner.exitcode is None:
                     handle.runner.terminate()
                     handle.runner.join(timeout=SHUTDOWN_GRACE)
+            if then is not None and all(h.runner.exitcode is not None for h in handles):
+                then()
 
     def _close(self, handles: list[WorkerHandle]) -> None:
         for handle in handles:
@@ -183,10 +189,14 @@ class ThreadBackend:
     def announce(self, handle: WorkerHandle, created: list, retired: list[int]) -> None:
         pass  # threads share the batch directly: no ring
 
-    def shutdown(self, handles: list[WorkerHandle], wait: bool = True) -> None:
+    def shutdown(self, handles: list[WorkerHandle], wait: bool = True,
+                 then: Callable[[], None] | None = None) -> None:
+        # Thread workers write no ring slot: ``then`` has nothing to wait for.
         self.shutting_down.value = True
         for handle in handles:
             handle.index_queue.put(None)
+        if then is not None:
+            then()
         if not wait:
             return  # threads cannot be terminated; each is a daemon and ends after its task
         deadline = time.monotonic() + SHUTDOWN_GRACE

@@ -16,6 +16,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from torch._utils import ExceptionWrapper
@@ -28,7 +29,7 @@ from fastfeed.iterators.base import BaseIterator
 from fastfeed.iterators.setup import IteratorSetup
 from fastfeed.iterators.workers import WorkerState, WorkerTable
 from fastfeed.resume import LoaderState
-from fastfeed.ring import Ticket
+from fastfeed.ring import SlotRing, Ticket
 from fastfeed.worker import Produced, Resume, WorkerConfig, WorkerDone
 
 __all__ = ["WorkerPoolIterator"]
@@ -69,11 +70,18 @@ def _reraise(wrapper: ExceptionWrapper) -> None:
         raise error.with_traceback(None)  # noqa: B904 - the same exception, not a new one
 
 
+def _release_all(ring: SlotRing, tickets: list[Ticket]) -> None:
+    for ticket in tickets:
+        ring.release(ticket)
+
+
 @dataclass
 class _Task:
     """One index batch sent to a worker. It owns its slot's ticket until the batch is decoded
     (the ticket becomes the batch's lease) or the task ends otherwise (the ticket is
-    released): :meth:`WorkerPoolIterator._settle` is the only place that gives one back."""
+    released): :meth:`WorkerPoolIterator._settle` gives it back, or, for a task still in
+    flight when the pool shuts down, :meth:`~WorkerPoolIterator._shutdown_workers` once the
+    workers have exited."""
 
     worker_id: int
     ticket: Ticket | None
@@ -466,7 +474,17 @@ class WorkerPoolIterator(BaseIterator):
         if not self._shutdown_lock.acquire(blocking=False):
             return
         self._shutdown = True
-        self._backend.shutdown([w.handle for w in self._workers], wait=wait)
+        # Tasks still in flight (a break, an error) hand their tickets over: they go back to
+        # the loader's ring once no worker can write the slots any more.
+        tickets = []
+        for task in getattr(self, "_tasks", {}).values():
+            ticket, task.ticket = task.ticket, None
+            if ticket is not None:
+                tickets.append(ticket)
+        release = None
+        if tickets and self.ring is not None:
+            release = partial(_release_all, self.ring, tickets)
+        self._backend.shutdown([w.handle for w in self._workers], wait=wait, then=release)
 
     def close(self) -> None:
         self._shutdown_workers()
