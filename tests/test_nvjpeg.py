@@ -2,6 +2,7 @@
 crop-resize equals resizing each crop alone. (Decoding on a GPU: ``test_vision.py``, gpu.)"""
 
 import io
+import pickle
 import sys
 import types
 
@@ -89,3 +90,61 @@ def test_gpu_decode_matches_the_cpu_and_waits_for_nothing(tmp_path):
         crop_resize(decoded, batch["box"], 32)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+class FakeStream:
+    """Records the stream operations NvjpegDecode makes, in order, into a shared log."""
+
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def wait_stream(self, other):
+        self.log.append(f"{self.name} waits for {other.name}")
+
+
+def test_decoder_outputs_never_race_the_copy_stream(monkeypatch, batch):
+    """Issue 23, finding 5. torchvision allocates decode_jpeg's outputs on the current stream
+    and writes them on a private stream that waits for nothing: run on the copy stream, it
+    could write a block the copy stream's queued kernels still read. The decode must run under
+    a stream of its own that first waits for the copy stream, and the copy stream must wait
+    for it and record its use of every output."""
+    log = []
+    copy_stream = FakeStream("copy", log)
+    current = [copy_stream]
+    made = []
+
+    def new_stream(device):
+        made.append(FakeStream("decode", log))
+        return made[-1]
+
+    class StreamContext:
+        def __init__(self, stream):
+            self.stream = stream
+
+        def __enter__(self):
+            current.append(self.stream)
+
+        def __exit__(self, *exc):
+            current.pop()
+
+    class Output(torch.Tensor):
+        def record_stream(self, stream):
+            log.append(f"output used on {stream.name}")
+
+    def decode_jpeg(data, device=None):
+        log.append(f"decode_jpeg under {current[-1].name}")
+        return [image.as_subclass(Output) for image in decode_with_pillow(data)]
+
+    monkeypatch.setattr(sys.modules["torchvision"].io, "decode_jpeg", decode_jpeg)
+    monkeypatch.setattr(torch.cuda, "Stream", new_stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[-1])
+    monkeypatch.setattr(torch.cuda, "stream", StreamContext)
+    decoder = NvjpegDecode(32)
+    encoded = [torch.from_numpy(np.array(d)) for d in batch["data"]]
+    for _ in range(2):
+        decoder.decode(encoded, torch.device("cuda", 0))
+    per_batch = ["decode waits for copy", "decode_jpeg under decode", "copy waits for decode",
+                 *["output used on copy"] * len(encoded)]
+    assert log == per_batch * 2
+    assert len(made) == 1  # one stream per decoder, not one per batch
+    assert pickle.loads(pickle.dumps(decoder))._decode_stream is None

@@ -12,9 +12,15 @@ Two rules keep the copy stream from stalling the training thread or racing it:
 - Nothing reads a device value back (``.tolist()``, ``.item()``, ``.cpu()``, ``if tensor``):
   that would make the host wait for every kernel queued on the GPU. The crop boxes are what
   the host needs, so they never go to the device.
-- Every buffer is allocated and written on the caller's current stream (FastLoader's copy
-  stream; torchvision's decoder orders its own stream after and before it), so the caching
-  allocator hands a freed buffer only to later work on that stream. The result reaches the
+- No buffer is written by a stream that does not wait for the buffer's previous users.
+  torchvision's decoder allocates its outputs on the caller's current stream but writes them
+  on a private stream that waits for nothing, then makes the caller wait for it. On the copy
+  stream, that could hand the decoder a block the caching allocator just freed there, while
+  kernels queued on the copy stream still read it. So the decode runs with a stream of our
+  own as the current one, on which no kernel ever runs: it first waits for the copy stream,
+  its blocks are freed only once the copy stream's recorded uses complete
+  (``record_stream``), and the copy stream waits for it before touching the images. Every
+  other buffer is allocated and written on the copy stream. The result reaches the
   consumer's stream through FastLoader's event and ``record_stream``.
 """
 
@@ -82,13 +88,32 @@ class NvjpegDecode:
 
     def __init__(self, size: int) -> None:
         self.size = size
+        self._decode_stream: Any = None  # made on first use, per process
 
-    def __call__(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    def __getstate__(self) -> dict[str, Any]:
+        return {"size": self.size, "_decode_stream": None}
+
+    def decode(self, encoded: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+        """``torchvision.io.decode_jpeg`` on ``device``, its outputs safe to use on the
+        caller's current stream (see the module's notes)."""
         from torchvision.io import decode_jpeg  # optional dependency, needed only here
 
-        device = batch["target"].device
-        encoded = [torch.from_numpy(np.asarray(d)) for d in batch["data"]]
-        images = decode_jpeg(encoded, device=device)
+        if device.type != "cuda":
+            return decode_jpeg(encoded, device=device)
+        if self._decode_stream is None:
+            self._decode_stream = torch.cuda.Stream(device)
+        caller = torch.cuda.current_stream(device)
+        self._decode_stream.wait_stream(caller)
+        with torch.cuda.stream(self._decode_stream):
+            images = decode_jpeg(encoded, device=device)
+        caller.wait_stream(self._decode_stream)
+        for image in images:
+            image.record_stream(caller)
+        return images
+
+    def __call__(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        encoded = [torch.from_numpy(np.array(d)) for d in batch["data"]]
+        images = self.decode(encoded, batch["target"].device)
         out = crop_resize(images, batch["box"], self.size).round_().clamp_(0, 255)
         out = out.to(torch.uint8)
         flip = batch["flip"].view(-1, 1, 1, 1)
