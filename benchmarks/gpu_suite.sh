@@ -50,21 +50,29 @@ if compgen -G ".whl/*.whl" >/dev/null; then  # carried wheels first, no index ne
     pip_quiet --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
         && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
+# The build tools first: the editable install below builds without isolation.
+for module in setuptools pybind11 pytest; do
+    has $module || pip_quiet -c "$torch_pin" $module \
+        || die 2 "$module is missing and could not be installed: install it, or carry its wheel in .whl/"
+done
 # The extras, with the machine's torch held where it is; offline this fails and what is
 # already installed is used.
 pip_quiet --no-build-isolation -c "$torch_pin" -e ".[test,dali,torchvision]" \
     || echo "gpu_suite: pip could not install the extras (offline?): using what is installed" \
     | tee -a "$out/setup.log"
-for module in setuptools pybind11 pytest; do
-    has $module || pip_quiet -c "$torch_pin" $module \
-        || die 2 "$module is missing and could not be installed: install it, or carry its wheel in .whl/"
-done
 
+jpeg_headers() { compgen -G "/usr/include/jpeglib.h" >/dev/null || compgen -G "/usr/local/include/jpeglib.h" >/dev/null; }
+if ! jpeg_headers && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt-get install -y -q libjpeg-dev >>"$out/setup.log" 2>&1 || true
+fi
 python3 setup.py build_ext --inplace >"$out/build.log" 2>&1 \
     || die 1 "building the C++ extensions failed (see build.log)"
 required=(fastfeed._C fastfeed._warp)
-if compgen -G "/usr/include/jpeglib.h" >/dev/null || compgen -G "/usr/local/include/jpeglib.h" >/dev/null; then
+if jpeg_headers; then
     required+=(fastfeed._jpeg)
+else
+    echo "gpu_suite: no libjpeg headers (apt-get install libjpeg-dev): fastfeed._jpeg is not" \
+        "built, and the window-decode figures measure Pillow's fallback" | tee -a "$out/setup.log"
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 for module in "${required[@]}"; do
