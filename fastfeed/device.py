@@ -16,12 +16,13 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import torch
 
 from fastfeed.placement import local_cuda_index
 from fastfeed.ring import SlotRing
 from fastfeed.telemetry import Telemetry, batch_length
-from fastfeed.tree import map_tensors
+from fastfeed.tree import map_arrays, map_tensors
 
 __all__ = [
     "DeviceIterator",
@@ -103,6 +104,7 @@ class StreamCopier:
     """Copies batches to a CUDA device on a side stream: the CUDA stream rules in one place.
 
     * Every copy reads page-locked memory (:func:`pinned_source`), so it is asynchronous.
+    * Numpy leaves are copied out of the slot on the host: the user may copy them, unfenced.
     * The copy and ``gpu_transform`` run on ``stream``; an event recorded after them marks
       the end of everything that reads the host batch. The caller fences the ring slots it
       read with that event: they are not reused before it completes, whatever happens to the
@@ -127,6 +129,10 @@ class StreamCopier:
                 read.append(tensor)  # the copy engine reads the host batch's own memory
             return source.to(self.device, non_blocking=True)
 
+        # Numpy leaves stay on the host, where the user may copy them to the GPU themselves
+        # (torch.from_numpy(x).cuda(non_blocking=True)), unseen by the slot's fence: they get
+        # memory of their own, not a view of a page-locked slot.
+        host_batch = map_arrays(np.copy, host_batch)
         with torch.cuda.stream(self.stream):
             batch = _timed_copy(host_batch, move, transform, telemetry)
             event = torch.cuda.Event()

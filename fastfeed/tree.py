@@ -5,9 +5,26 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 
-__all__ = ["map_tensors", "update_at"]
+__all__ = ["map_arrays", "map_tensors", "update_at"]
+
+
+def _map_leaves(fn: Callable[[Any], Any], batch: Any, leaf: type) -> Any:
+    if isinstance(batch, leaf):
+        return fn(batch)
+    if isinstance(batch, Mapping):
+        items = {key: _map_leaves(fn, value, leaf) for key, value in batch.items()}
+        try:
+            return type(batch)(items)  # type: ignore[call-arg]
+        except TypeError:  # a mapping type that cannot be built from a dict
+            return items
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
+        return type(batch)(*(_map_leaves(fn, value, leaf) for value in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_map_leaves(fn, value, leaf) for value in batch)
+    return batch
 
 
 def map_tensors(fn: Callable[[torch.Tensor], Any], batch: Any) -> Any:
@@ -15,19 +32,12 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], batch: Any) -> Any:
 
     Walks mappings, namedtuples, lists and tuples; other leaves are returned unchanged.
     """
-    if isinstance(batch, torch.Tensor):
-        return fn(batch)
-    if isinstance(batch, Mapping):
-        items = {key: map_tensors(fn, value) for key, value in batch.items()}
-        try:
-            return type(batch)(items)  # type: ignore[call-arg]
-        except TypeError:  # a mapping type that cannot be built from a dict
-            return items
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
-        return type(batch)(*(map_tensors(fn, value) for value in batch))
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(map_tensors(fn, value) for value in batch)
-    return batch
+    return _map_leaves(fn, batch, torch.Tensor)
+
+
+def map_arrays(fn: Callable[[np.ndarray], Any], batch: Any) -> Any:
+    """:func:`map_tensors` for numpy arrays."""
+    return _map_leaves(fn, batch, np.ndarray)
 
 
 def update_at(batch: Any, key: Hashable | None, fn: Callable[[Any], Any]) -> Any:

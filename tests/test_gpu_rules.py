@@ -242,9 +242,13 @@ def test_copies_read_pinned_memory_and_report_the_slots_they_read(monkeypatch):
     monkeypatch.setattr(HeldEvent, "record", lambda self, stream: None, raising=False)
 
     copier = StreamCopier(torch.device("cpu"), Stream())
-    batch, event, read = copier.copy([pinned, pageable], None, Telemetry())
+    boxes = np.arange(12).reshape(3, 4)  # stands for a numpy leaf in a page-locked slot
+    batch, event, read = copier.copy([pinned, pageable, {"boxes": boxes}], None, Telemetry())
     assert [t is pinned for t in read] == [True] and staged == [pageable]
-    assert_same(batch, [pinned, pageable])
+    assert_same(batch[:2], [pinned, pageable])
+    # Numpy leaves stay on the host, for the user to copy as they like: not a view of the slot
+    assert np.array_equal(batch[2]["boxes"], boxes)
+    assert not np.shares_memory(batch[2]["boxes"], boxes)
     copier.hand_over(batch, event)
     assert consumer.waited is event and not event.done
     assert pinned_source(pinned) is pinned

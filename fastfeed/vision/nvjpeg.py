@@ -112,7 +112,7 @@ class NvjpegDecode:
         return images
 
     def __call__(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        encoded = [torch.from_numpy(np.array(d)) for d in batch["data"]]
+        encoded = [torch.from_numpy(np.asarray(d)) for d in batch["data"]]
         images = self.decode(encoded, batch["target"].device)
         out = crop_resize(images, batch["box"], self.size).round_().clamp_(0, 255)
         out = out.to(torch.uint8)
