@@ -161,8 +161,24 @@ def test_device_memory_is_flat_across_epochs():
 
 
 @pytest.mark.gpu
-def test_ring_slots_are_page_locked():
+def test_pin_memory_batches_are_pinned_copies():
+    # pin_memory=True: the user copies, so batches are copied into torch's pinned pool and the
+    # slots stay pageable.
     loader = FastLoader(TensorDataset(n=64), batch_size=4, num_workers=2, pin_memory=True,
                         persistent_workers=True)
     list(loader)
     assert all(batch[0].is_pinned() for batch in loader)
+    assert not any(slot.pinned for slot in loader._ring._slots.values())
+
+
+@pytest.mark.gpu
+def test_device_ring_slots_are_page_locked():
+    # device="cuda": fastfeed copies from the slots themselves, which must be page-locked
+    # (cudaHostRegister), or the "non_blocking" copies would be synchronous.
+    loader = FastLoader(TensorDataset(n=64), batch_size=4, num_workers=2, device="cuda",
+                        persistent_workers=True)
+    for _ in range(2):
+        list(loader)
+    slots = list(loader._ring._slots.values())
+    assert slots and all(slot.pinned for slot in slots)
+    assert all(torch.from_numpy(slot.memory).is_pinned() for slot in slots)
