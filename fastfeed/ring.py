@@ -170,7 +170,8 @@ class SlotRing:
         self._warned_memory = False
         self._seen: int | None = None
         self._varies = False
-        weakref.finalize(self, _close_slots, self._slots).atexit = False
+        self._closer = weakref.finalize(self, _close_slots, self._slots)
+        self._closer.atexit = False
 
     # -- sizing ------------------------------------------------------------------------------
     def note_required(self, nbytes: int) -> None:
@@ -235,6 +236,10 @@ class SlotRing:
 
     def release(self, ticket: Ticket) -> None:
         """Give back an assigned slot whose task will never deliver (failed, cancelled)."""
+        if not self._closer.alive:
+            # Closed (the collector may finalise the ring before a shut-down pool hands its
+            # tickets back): there is nothing left to give back to.
+            return
         with self._lock:
             slot = self._owned(ticket, _State.ASSIGNED, "release")
             if slot is not None:
@@ -269,7 +274,7 @@ class SlotRing:
         """Drop every slot (after the copies still reading them). Memory still leased to user
         batches stays valid until they die."""
         with self._lock:
-            _close_slots(self._slots)
+            self._closer()
 
     def fds(self) -> list[tuple[int, int, int]]:
         """``(slot_id, nbytes, fd)`` of every live slot, for a worker that starts late."""

@@ -208,7 +208,8 @@ def test_many_abandoned_iterators_leak_nothing():
         partial_epoch(int(torch.randint(0, 17, (), generator=generator)))
     assert_no_leaks(with_ring)
     # every slot back: none is held by a task that will never run
-    assert wait_until(partial(slots_in_use_settle, loader._ring))
+    assert wait_until(partial(slots_in_use_settle, loader._ring)), [
+        (slot.state, slot.generation) for slot in loader._ring._slots.values()]
     del loader, partial_epoch  # the ring is the loader's: it goes with it
     assert_no_leaks(before)
 

@@ -148,7 +148,7 @@ class ProcessBackend:
                 if handle.runner.exitcode is None:
                     handle.runner.terminate()
                     handle.runner.join(timeout=SHUTDOWN_GRACE)
-            if then is not None and all(h.runner.exitcode is not None for h in handles):
+            if then is not None and all(_exited(h.runner) for h in handles):
                 then()
 
     def _close(self, handles: list[WorkerHandle]) -> None:
@@ -204,6 +204,19 @@ class ThreadBackend:
             # A thread busy in a long __getitem__ cannot be stopped; it is a daemon and ends
             # with its task.
             handle.runner.join(timeout=max(0.0, deadline - time.monotonic()))
+
+
+def _exited(process: Any) -> bool:
+    """Whether ``process`` is gone. Its exit code alone is not enough: when another
+    ``waitpid`` in this process reaps the child first (seen in the leak tests, while the next
+    epoch's workers start), multiprocessing's handle never learns the code."""
+    if process.exitcode is not None:
+        return True
+    try:
+        os.kill(process.pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
 
 
 def make_backend(mode: str, multiprocessing_context: Any) -> ProcessBackend | ThreadBackend:
