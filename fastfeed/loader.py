@@ -204,7 +204,6 @@ class FastLoader(DataLoader):
         self._live_iterator: Callable[[], Any] = lambda: None
         self._learned = Learned()  # what iterators learn for the next ones
         self._decided_mode = False
-        self._split: tuple[Dataset, BatchTail] | None = None  # see _batch_tail_split
 
     def __setattr__(self, name: str, value: Any) -> None:
         # A count set by hand replaces the tuner's. Subclasses may set num_workers before
@@ -217,7 +216,7 @@ class FastLoader(DataLoader):
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__
         runtime = ("_telemetry", "_gpu_sampler", "_target", "_copy_stream", "_ring",
-                   "_live_iterator", "_learned", "_decided_mode", "_split", "_iterator")
+                   "_live_iterator", "_learned", "_decided_mode", "_iterator")
         return {k: v for k, v in state.items() if k not in runtime}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -326,13 +325,16 @@ class FastLoader(DataLoader):
             tuner.restart(self.num_workers)
             self._learned.tuner = tuner
         worker_mode = self._worker_mode_for_next_iterator()
-        dataset = collate_fn = None
-        if self._split is not None:
+        dataset = collate_fn = device_tail = None
+        split = self._batch_tail_split()
+        if split is not None:
             from fastfeed.vision.accelerate import TailCollate
 
-            dataset, tail = self._split
-            if self.device is None:  # else the device iterator runs the tail
+            dataset, tail = split
+            if self.device is None:
                 collate_fn = TailCollate(tail)
+            else:
+                device_tail = tail
         return IteratorSetup(
             telemetry=self._telemetry,
             learned=self._learned,
@@ -346,6 +348,7 @@ class FastLoader(DataLoader):
             deterministic=self.deterministic,
             dataset=dataset,
             collate_fn=collate_fn,
+            device_tail=device_tail,
         )
 
     def state_dict(self) -> dict[str, Any]:
@@ -378,7 +381,6 @@ class FastLoader(DataLoader):
         self._sync_tuned_workers()
         if self.device is not None and self._target is None:
             self._target = resolve_device(self.device)
-        self._split = self._batch_tail_split()
         iterator = self._wrap(super().__iter__())
         self._live_iterator = weakref.ref(iterator)
         return iterator
@@ -406,8 +408,11 @@ class FastLoader(DataLoader):
                 self._copy_stream = torch.cuda.Stream(self._target)
             copier = StreamCopier(self._target, self._copy_stream)
         transform = self.gpu_transform
-        if self._split is not None:  # the accelerated dataset's tail first, on the copy stream
-            transform = _chain(self._split[1], transform)
+        # The tail of what the workers make (persistent workers keep the first iterator's),
+        # first, on the copy stream.
+        tail = getattr(host, "device_tail", None)
+        if tail is not None:
+            transform = _chain(tail, transform)
         return DeviceIterator(host, copier, self.prefetch_depth, transform, self._telemetry)
 
     def _get_iterator(self) -> Any:

@@ -43,6 +43,8 @@ from fastfeed.vision.accelerate import (  # noqa: E402
 from fastfeed.vision.synthetic import make_image, make_imagefolder  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from helpers import assert_same  # noqa: E402
+
 from benchmarks.recipes_pipeline import ReferencePresetEval, ReferencePresetTrain  # noqa: E402
 
 MEAN, STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
@@ -399,6 +401,23 @@ def test_what_the_workers_run(root):
         iterator = iter(loader)
         assert not isinstance(iterator._collate_fn, TailCollate)
         assert iterator._dataset is loader.dataset
+
+
+def test_persistent_workers_keep_their_tail(root):
+    """Persistent workers keep the dataset and collate of their first epoch (as torch's do):
+    the device iterator must keep finishing their uint8 batches even if the loader's
+    collate_fn changes between epochs."""
+    fast = accelerate(datasets.ImageFolder(str(root), transform=PIPELINES["v1-eval"]()))
+    kwargs = {"batch_size": 4, "num_workers": 2, "persistent_workers": True}
+    expected = list(DataLoader(fast, **kwargs))
+    loader = FastLoader(fast, device="cpu", **kwargs)
+    assert_same(list(loader), expected)
+    loader.collate_fn = collate_per_sample
+    assert_same(list(loader), expected)
+
+
+def collate_per_sample(samples):
+    return default_collate(samples)
 
 
 @pytest.mark.parametrize(("name", "in_slot"), [

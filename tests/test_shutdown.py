@@ -125,3 +125,45 @@ def test_timeout_arrives_on_time_after_many_varied_loaders():
     elapsed = time.monotonic() - start
     assert elapsed < 0.5 + 1.5, f"the timeout error came after {elapsed:.1f} s"
     assert wait_until(lambda: gone(workers), timeout=15)
+
+
+class FakeWorker:
+    """A worker process as the backend sees it: ``stops`` says whether terminate() works;
+    ``reaped_elsewhere`` stands for a child another waitpid collected (its pid is gone, its
+    exit code never known)."""
+
+    def __init__(self, stops: bool = True, reaped_elsewhere: bool = False):
+        self.exitcode = None
+        self.stops = stops
+        self.pid = _unused_pid() if reaped_elsewhere else os.getpid()
+
+    def join(self, timeout=None):
+        pass
+
+    def terminate(self):
+        if self.stops:
+            self.exitcode = -15
+
+
+def _unused_pid() -> int:
+    pid = 2**22 - 1  # above the usual pid_max's default
+    while os.path.exists(f"/proc/{pid}"):
+        pid -= 1
+    return pid
+
+
+@pytest.mark.parametrize(("workers", "released"), [
+    ([FakeWorker(), FakeWorker()], True),
+    ([FakeWorker(), FakeWorker(reaped_elsewhere=True)], True),
+    ([FakeWorker(), FakeWorker(stops=False)], False),
+], ids=["stopped", "reaped-elsewhere", "one-still-running"])
+def test_tickets_return_only_once_no_worker_can_write(workers, released):
+    """DESIGN.md invariant 2 on shutdown: the slots of tasks still in flight go back to the
+    ring only when every worker is gone; a worker that outlives terminate() keeps them."""
+    from fastfeed.iterators.backends import ProcessBackend, WorkerHandle
+
+    handles = [WorkerHandle(worker_id=i, runner=w, index_queue=None, control=None)
+               for i, w in enumerate(workers)]
+    calls = []
+    ProcessBackend._stop(handles, 0.0, lambda: calls.append("released"))
+    assert calls == (["released"] if released else [])

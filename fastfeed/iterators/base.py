@@ -40,6 +40,9 @@ class BaseIterator:
         self._persistent_workers = loader.persistent_workers
         self._telemetry = setup.telemetry
         self.records_delivery = True  # False when a DeviceIterator wraps this one and records
+        # Run by the DeviceIterator wrapping this one, before gpu_transform: it finishes the
+        # batches this iterator's workers were set up to make.
+        self.device_tail = setup.device_tail
 
         if loader.pin_memory and loader.pin_memory_device:
             warnings.warn(

@@ -47,7 +47,9 @@ class IteratorSetup:
     held_by_prefetch: int = 0  # host batches a device prefetcher holds on to
     ring_slots: int | None = None
     deterministic: bool = False
-    # What the workers run instead of the loader's dataset and collate_fn (same batches): an
-    # accelerated dataset whose tail runs on whole batches (see FastLoader._batch_tail_split).
+    # What the workers run instead of the loader's dataset and collate_fn, and what a device
+    # iterator runs on each batch first (same batches): an accelerated dataset whose tail runs
+    # on whole batches (see FastLoader._batch_tail_split).
     dataset: Any = None
     collate_fn: Callable[[list], Any] | None = None
+    device_tail: Callable[[Any], Any] | None = None

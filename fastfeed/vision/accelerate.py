@@ -501,12 +501,13 @@ class BatchTail:
     def __init__(self, plan: _Plan) -> None:
         self.conversion = plan.conversion
         self.ops = _tail_ops(plan.tail)
+        self._float_start = self._find_float_start()
 
     def __call__(self, batch: Any) -> Any:
         images, *rest = batch
         return type(batch)([_run(self.ops, _convert(images, self.conversion)), *rest])
 
-    def _float_start(self) -> tuple[torch.dtype, list[Callable[[Any], Any]]] | None:
+    def _find_float_start(self) -> tuple[torch.dtype, list[Callable[[Any], Any]]] | None:
         """``(dtype, the ops after it)`` when the tail starts by dividing the uint8 images by
         255 into floats (``ToTensor``; ``PILToTensor`` then ``ConvertImageDtype``)."""
         if self.conversion is not None and self.conversion[0] in _TO_FLOAT:
@@ -519,7 +520,7 @@ class BatchTail:
     @property
     def converts_to_float(self) -> bool:
         """Whether :meth:`into` can run: the tail starts with a uint8 to float division."""
-        return self._float_start() is not None
+        return self._float_start is not None
 
     def into(self, images: torch.Tensor, empty: Callable[[tuple[int, ...], torch.dtype],
                                                          torch.Tensor]) -> Any:
@@ -527,9 +528,8 @@ class BatchTail:
         allocator) with no float batch in between: the conversion writes there, and
         ``Normalize`` works in place. The same values as :meth:`__call__` on ``images``.
         Needs :attr:`converts_to_float`."""
-        start = self._float_start()
-        assert start is not None
-        dtype, ops = start
+        assert self._float_start is not None
+        dtype, ops = self._float_start
         result: Any = empty(tuple(images.shape), dtype)
         result.copy_(images).div_(_divisor_255(result.device, result.dtype))
         owned = result
