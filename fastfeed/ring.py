@@ -97,19 +97,21 @@ class _State(enum.Enum):
 
 def ring_supported() -> bool:
     """Return whether this platform can build a ring (Linux ``memfd_create``)."""
-    return hasattr(os, "memfd_create") and hasattr(mmap, "MAP_POPULATE")
+    return hasattr(os, "memfd_create")
 
 
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def _map(fd: int, nbytes: int, populate: bool) -> mmap.mmap:
-    # MAP_POPULATE allocates and faults in every page now, once, instead of on the first batch
-    # written there. Before Python 3.13, mmap keeps a dup of the fd while the mapping lives.
+def _map(fd: int, nbytes: int) -> mmap.mmap:
+    # Not populated: a page is allocated on its first write (by whichever worker writes the
+    # slot first) and mapped into each process on its first touch there, once for the life of
+    # the mapping. Populating every slot in every process up front cost more in all (each
+    # worker faulted in slots it never wrote) and stalled the consumer while the ring grew.
+    # Before Python 3.13, mmap keeps a dup of the fd while the mapping lives.
     options = {"trackfd": False} if sys.version_info >= (3, 13) else {}
-    flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
-    return mmap.mmap(fd, nbytes, flags=flags, **options)
+    return mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, **options)
 
 
 @dataclass(eq=False)
@@ -305,10 +307,7 @@ class SlotRing:
         fd = os.memfd_create(f"fastfeed-slot-{self._next_id}", os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, nbytes)
-            # Not populated here: the worker's mapping allocates the pages, off the critical
-            # path of the main process (a growing ring would otherwise stall the consumer for
-            # about 40 ms per 40 MB slot); this side then maps them on first read.
-            memory = np.frombuffer(_map(fd, nbytes, populate=False), dtype=np.uint8)
+            memory = np.frombuffer(_map(fd, nbytes), dtype=np.uint8)
         except BaseException:
             os.close(fd)
             raise
@@ -381,8 +380,7 @@ class WorkerSlots:
             _, slot_id, nbytes = message
             fd = recv_handle(self._control)
             try:
-                self._buffers[slot_id] = torch.frombuffer(_map(fd, nbytes, populate=True),
-                                                          dtype=torch.uint8)
+                self._buffers[slot_id] = torch.frombuffer(_map(fd, nbytes), dtype=torch.uint8)
             finally:
                 os.close(fd)
         else:
