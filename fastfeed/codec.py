@@ -26,11 +26,14 @@ __all__ = ["Encoded", "decode", "encode"]
 
 @dataclass(frozen=True)
 class Encoded:
-    """A batch as it crosses from a worker: its slot, the pickled structure, its byte need."""
+    """A batch as it crosses from a worker: its slot, the pickled structure, its byte need,
+    and, for a task sent without a slot, a handle on the private slot the worker wrote it to
+    (:meth:`fastfeed.ring.Arena.hand_over`)."""
 
     slot_id: int | None
     payload: bytes
     required: int
+    private_slot: Any = None
 
 
 def _slot_eligible_tensor(obj: Any) -> bool:
@@ -96,11 +99,36 @@ class _SlotPickler(ForkingPickler):
         return ("array", offset, array.shape, array.dtype.str)
 
 
+class _MeasuringPickler(_SlotPickler):
+    """Counts the bytes the batch's arrays would take in a slot, without pickling any of
+    them: torch's own reductions would move storages into shared memory, for nothing."""
+
+    def persistent_id(self, obj: Any) -> Any:
+        super().persistent_id(obj)
+        if isinstance(obj, (torch.Tensor, torch.UntypedStorage, torch.TypedStorage, np.ndarray)):
+            return "measured"
+        return None
+
+
+def _slot_bytes_needed(batch: Any) -> int:
+    arena = Arena()
+    _MeasuringPickler(io.BytesIO(), arena).dump(batch)
+    return arena.required
+
+
 def encode(batch: Any, arena: Arena) -> Encoded:
-    """Worker side: write ``batch``'s arrays into ``arena`` and pickle the rest."""
+    """Worker side: write ``batch``'s arrays into ``arena`` and pickle the rest.
+
+    An arena without memory (the task came without a slot, and the worker has not seen a
+    batch yet) is replaced by a private slot of the size the batch needs.
+    """
+    if arena.buffer is None:
+        needed = _slot_bytes_needed(batch)
+        if needed:
+            arena = Arena.private(needed)
     file = io.BytesIO()
     _SlotPickler(file, arena).dump(batch)
-    return Encoded(arena.slot_id, file.getvalue(), arena.required)
+    return Encoded(arena.slot_id, file.getvalue(), arena.required, arena.hand_over())
 
 
 class _SlotUnpickler(pickle.Unpickler):

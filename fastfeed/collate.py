@@ -39,7 +39,11 @@ def _stack_into_arena(
     arena: Arena, samples: Sequence[torch.Tensor], *, collate_fn_map: Any = None
 ) -> torch.Tensor:
     if stackable(samples):
-        out = arena.empty((len(samples), *samples[0].shape), samples[0].dtype)
+        shape, dtype = (len(samples), *samples[0].shape), samples[0].dtype
+        # Without a slot (a worker's first batch), private memory: the codec moves the batch
+        # into a slot of the worker's own, which the ring keeps. torch's collate would put it
+        # in shared memory that dies with the batch.
+        out = torch.empty(shape, dtype=dtype) if arena.buffer is None else arena.empty(shape, dtype)
         if out is not None:
             stack_into(out, samples)
             return out

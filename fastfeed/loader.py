@@ -57,8 +57,8 @@ class FastLoader(DataLoader):
     With ``num_workers > 0`` it uses its own worker pool. Workers collate each batch directly
     into a slot of a shared-memory ring and send only a small message; the main process
     rebuilds the batch as tensors that are views of that slot. A slot returns to the ring only
-    when nothing references the batch any more. When every slot is in use, batches take
-    torch's ordinary shared-memory path, so nothing is ever overwritten.
+    when nothing references the batch any more. When every slot is in use, a worker writes
+    its batch into shared memory of its own, freed with the batch: nothing is ever overwritten.
 
     Args:
         dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, collate_fn,

@@ -222,9 +222,10 @@ def worker_loop(
                     arena = None
                     if slots is not None:
                         slots.sync()
-                        buffer = None if slot_id is None else slots.buffer(slot_id)
-                        arena = Arena(slot_id, buffer)
+                        arena = slots.arena(slot_id)
                     result = _produce(config, fetcher, index, arena)
+                    if slots is not None:
+                        slots.note_required(result.batch.required)
                 except StopIteration:
                     if not config.iterable:
                         result = ExceptionWrapper(where=where)

@@ -21,7 +21,7 @@ import fastfeed.ring as ring_module
 from fastfeed import FastLoader
 from fastfeed.device import DeviceIterator, StreamCopier, pinned_source
 from fastfeed.pinning import Pinner
-from fastfeed.ring import SlotOwnershipError, SlotRing
+from fastfeed.ring import Arena, SlotOwnershipError, SlotRing
 from fastfeed.telemetry import Telemetry
 
 
@@ -98,6 +98,36 @@ def test_a_lease_dying_while_the_ring_is_locked_does_not_deadlock():
     thread.join(timeout=5)
     assert not thread.is_alive(), "finalising a lease under the ring's lock deadlocked"
     assert ring.occupancy == (0, 1)
+
+
+def worker_slot(nbytes, value):
+    """What a worker hands over for a task sent without a slot: a slot of its own, written."""
+    arena = Arena.private(nbytes)
+    arena.buffer.fill_(value)
+    return arena.hand_over().detach()
+
+
+def test_an_adopted_slot_is_leased_to_its_batch_then_handed_out():
+    ring = SlotRing(2, slot_bytes=4096)
+    lease, created = ring.adopt(worker_slot(4096, 7))
+    assert len(created) == 1 and (lease == 7).all()
+    assert ring.occupancy == (1, 1)  # leased: not handed out while the batch lives
+    assert ring.acquire()[0].slot_id != created[0].slot_id
+    del lease
+    assert ring.acquire()[0].slot_id == created[0].slot_id
+
+
+@pytest.mark.parametrize("why", ["full", "too small", "closed"])
+def test_a_slot_the_ring_cannot_keep_serves_its_batch_alone(why):
+    ring = SlotRing(1, slot_bytes=8192 if why == "too small" else 4096)
+    if why == "full":
+        ring.acquire()
+    if why == "closed":
+        ring.close()
+    before = ring.occupancy
+    lease, created = ring.adopt(worker_slot(4096, 3))
+    assert created == [] and ring.occupancy == before
+    assert (lease == 3).all()
 
 
 # -- the ring: copies it cannot see ------------------------------------------------------------

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import assert_same, compare
+from procs import assert_no_leaks, snapshot
 from sample_datasets import DetectionDataset, TensorDataset, detection_collate
 from torch.utils.data import DataLoader, Dataset
 
@@ -36,6 +37,48 @@ def test_batches_are_views_of_ring_slots():
     ring = ring_of(loader)
     in_slot = [b[0].untyped_storage().nbytes() == ring.slot_bytes for b in loader]
     assert all(in_slot), in_slot
+
+
+def test_a_short_first_epoch_leaves_the_ring_grown():
+    # The first tasks go out before the ring knows the batch size. Their workers write the
+    # batches into slots of their own, which the ring keeps: the next epoch finds them with
+    # their pages faulted in, instead of growing (and faulting in) the ring again.
+    loader = FastLoader(TensorDataset(n=20), batch_size=4, num_workers=2, persistent_workers=True)
+    first = list(loader)  # 5 batches, 4 of them sent at once
+    ring = ring_of(loader)
+    in_slot = [b[0].untyped_storage().nbytes() == ring.slot_bytes for b in first]
+    assert all(in_slot), in_slot
+    assert ring.occupancy == (5, 5)
+    assert_same(first, list(DataLoader(TensorDataset(n=20), batch_size=4, num_workers=2)))
+    del first
+    gc.collect()
+    list(loader)
+    assert ring.occupancy[1] <= ring.max_slots
+
+
+def test_a_batch_sent_without_a_slot_is_sized_without_touching_shared_memory():
+    from fastfeed.codec import decode, encode
+    from fastfeed.ring import Arena
+
+    batch = {"x": torch.arange(1000.0).view(10, 100), "y": np.arange(7), "name": "a"}
+    message = encode(batch, Arena())
+    assert not batch["x"].is_shared()  # sized by a dry run, not moved by torch's reduction
+    ring = SlotRing(2, slot_bytes=message.required)
+    lease, created = ring.adopt(message.private_slot.detach())
+    assert len(created) == 1
+    assert_same(decode(message, lease), batch)
+
+
+def test_batches_beyond_a_full_ring_leave_nothing_behind():
+    loader = FastLoader(TensorDataset(n=40), batch_size=4, num_workers=2, persistent_workers=True,
+                        ring_slots=1)
+    list(loader)
+    before = snapshot()
+    held = list(loader) + list(loader)  # all but one of them outside the ring
+    assert_same(held, list(DataLoader(TensorDataset(n=40), batch_size=4)) * 2)
+    assert ring_of(loader).occupancy[1] == 1
+    del held
+    assert_no_leaks(before)
 
 
 @pytest.mark.parametrize("ring_slots", [1, 3, None])

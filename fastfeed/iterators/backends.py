@@ -86,7 +86,10 @@ class ProcessBackend:
     def start(self, config: WorkerConfig, ring: SlotRing | None) -> WorkerHandle:
         index_queue = self._ctx.Queue()
         index_queue.cancel_join_thread()
-        control, worker_control = self._ctx.Pipe(duplex=True)
+        # Without a ring (ring_slots=0), no control pipe: batches take torch's shared memory.
+        control = worker_control = None
+        if ring is not None:
+            control, worker_control = self._ctx.Pipe(duplex=True)
         process = self._ctx.Process(
             target=worker_loop,
             args=(config, index_queue, self.result_queue, self.shutting_down, worker_control),
@@ -94,8 +97,10 @@ class ProcessBackend:
         )
         handle = WorkerHandle(config.worker_id, process, index_queue, control)
         process.start()
-        worker_control.close()
-        if ring is not None:  # a worker added late maps the slots that exist already
+        if ring is not None:
+            assert control is not None and worker_control is not None
+            worker_control.close()
+            # A worker added late maps the slots that exist already.
             for slot_id, nbytes, fd in ring.fds():
                 WorkerSlots.announce(control, handle.pid, slot_id, nbytes, fd)
         return handle
@@ -155,7 +160,8 @@ class ProcessBackend:
         for handle in handles:
             handle.index_queue.cancel_join_thread()
             handle.index_queue.close()
-            handle.control.close()
+            if handle.control is not None:
+                handle.control.close()
         self.result_queue.cancel_join_thread()
         self.result_queue.close()
 

@@ -252,10 +252,13 @@ class WorkerPoolIterator(BaseIterator):
         if self.ring is None:
             return None
         ticket, created, retired = self.ring.acquire()
+        self._announce(created, retired)
+        return ticket
+
+    def _announce(self, created: list, retired: list[int]) -> None:
         if created or retired:
             for worker in self._workers.mapping_slots():
                 self._backend.announce(worker.handle, created, retired)
-        return ticket
 
     def _settle(self, task: _Task, result: Encoded | None = None) -> Any:
         """End the task's hold on its slot, exactly once: lease it to ``result``'s batch, or
@@ -268,6 +271,10 @@ class WorkerPoolIterator(BaseIterator):
                 lease = self.ring.lease(ticket)
             else:
                 self.ring.release(ticket)
+        elif result is not None and result.private_slot is not None:
+            assert self.ring is not None
+            lease, created = self.ring.adopt(result.private_slot.detach())
+            self._announce(created, [])
         return None if result is None else decode(result, lease)
 
     # -- receive -----------------------------------------------------------------------------
