@@ -62,27 +62,31 @@ def plain_loop(dataset: Any, epochs: int) -> list[float]:
     return rates
 
 
-def epochs_per_s(config: str, root: Path, batch_size: int, epochs: int) -> list[float]:
-    from torch.utils.data import DataLoader
+def epochs_per_s(config: str, root: Path, batch_size: int, epochs: int,
+                 epoch_samples: int | None = None) -> list[float]:
+    """Images/s of each timed epoch of ``config``; ``epoch_samples`` draws epochs of that many
+    random images (``RandomSampler(num_samples=...)``) instead of shuffling the whole set."""
+    from torch.utils.data import DataLoader, RandomSampler
 
     from benchmarks.torchvision_pipeline import timed_epochs
     from fastfeed import FastLoader
     from fastfeed.bench.data import classic_imagefolder
     from fastfeed.vision.accelerate import accelerate
 
-    if config == "stock":
-        return timed_epochs(DataLoader(classic_imagefolder(root), batch_size=batch_size,
-                                       shuffle=True, num_workers=2, persistent_workers=True),
-                            epochs)
     stock = classic_imagefolder(root)
+    order = ({"sampler": RandomSampler(stock, num_samples=epoch_samples)} if epoch_samples
+             else {"shuffle": True})
+    if config == "stock":
+        return timed_epochs(DataLoader(stock, batch_size=batch_size, num_workers=2,
+                                       persistent_workers=True, **order), epochs)
     uint8 = config.endswith("uint8") or config.startswith("uint8")
     dataset = accelerate(stock, defer_tail=uint8)
     if config.startswith("plain"):
         return plain_loop(dataset, epochs)
     workers = int(config.rsplit("-", 1)[1].rstrip("w"))
     extra = {"collate_fn": collate_per_sample} if config.startswith("per-sample") else {}
-    loader = FastLoader(dataset, batch_size=batch_size, shuffle=True, num_workers=workers,
-                        persistent_workers=True, **extra)
+    loader = FastLoader(dataset, batch_size=batch_size, num_workers=workers,
+                        persistent_workers=True, **order, **extra)
     return timed_epochs(loader, epochs)
 
 

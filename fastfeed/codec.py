@@ -53,7 +53,7 @@ class _SlotPickler(ForkingPickler):
     def __init__(self, file: io.BytesIO, arena: Arena) -> None:
         super().__init__(file, pickle.HIGHEST_PROTOCOL)
         self._arena = arena
-        self._storage_offsets: dict[int, int | None] = {}
+        self._storage_offsets: dict[tuple[int, int], int | None] = {}
 
     def persistent_id(self, obj: Any) -> Any:
         if _slot_eligible_tensor(obj):
@@ -69,8 +69,9 @@ class _SlotPickler(ForkingPickler):
         elif storage.is_shared():
             return None  # already in shared memory (torch's collate did it): send its handle
         else:
-            # Copy the whole storage once, so that views sharing it still share it after.
-            key = storage.data_ptr()
+            # Copy the whole storage once, so that views sharing it still share it after. Two
+            # storages may start at one address with different sizes (two from_numpy views).
+            key = (storage.data_ptr(), storage.nbytes())
             if key not in self._storage_offsets:
                 self._storage_offsets[key] = self._copy_storage(storage)
             offset = self._storage_offsets[key]
@@ -96,7 +97,8 @@ class _SlotPickler(ForkingPickler):
         assert self._arena.buffer is not None
         dest = self._arena.buffer[offset : offset + array.nbytes].numpy()
         np.copyto(dest.view(array.dtype).reshape(array.shape), array)
-        return ("array", offset, array.shape, array.dtype.str)
+        # The dtype itself: its string form loses a structured dtype's fields.
+        return ("array", offset, array.shape, array.dtype)
 
 
 class _MeasuringPickler(_SlotPickler):
@@ -105,8 +107,10 @@ class _MeasuringPickler(_SlotPickler):
 
     def persistent_id(self, obj: Any) -> Any:
         super().persistent_id(obj)
-        if isinstance(obj, (torch.Tensor, torch.UntypedStorage, torch.TypedStorage, np.ndarray)):
+        if isinstance(obj, (torch.Tensor, torch.UntypedStorage, torch.TypedStorage)):
             return "measured"
+        if isinstance(obj, np.ndarray) and not obj.dtype.hasobject:
+            return "measured"  # an object array is pickled by element: its tensors count
         return None
 
 
@@ -134,7 +138,6 @@ def encode(batch: Any, arena: Arena) -> Encoded:
 class _SlotUnpickler(pickle.Unpickler):
     def __init__(self, file: io.BytesIO, lease: np.ndarray | None) -> None:
         super().__init__(file)
-        self._lease = lease
         self._base = None if lease is None else torch.from_numpy(lease)
         self._typed: dict[torch.dtype, torch.Tensor] = {}
 
@@ -148,11 +151,13 @@ class _SlotUnpickler(pickle.Unpickler):
                 typed = self._typed[dtype] = self._base.view(dtype)
             return torch.as_strided(typed, shape, stride, byte_offset // dtype.itemsize)
         if kind == "array":
-            _, offset, shape, dtype_str = pid
-            assert self._lease is not None
-            dtype = np.dtype(dtype_str)
+            _, offset, shape, dtype = pid
+            assert self._base is not None
             count = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-            return self._lease[offset : offset + count].view(dtype).reshape(shape)
+            # Through the lease's tensor: numpy collapses a chain of array views to the array
+            # that owns the memory, so a view of the lease itself would not keep the lease (and
+            # the slot) alive; the tensor behind .numpy() is not skipped.
+            return self._base[offset : offset + count].numpy().view(dtype).reshape(shape)
         raise pickle.UnpicklingError(f"unknown fastfeed persistent id {kind!r}")
 
 

@@ -272,11 +272,7 @@ class SlotRing:
             if slot is None:
                 raise SlotOwnershipError(f"slot {ticket.slot_id} was reused before its batch "
                                          "was read")
-            slot.state = _State.LEASED
-            lease = slot.memory.view()
-        weakref.finalize(lease, self._returned.append,
-                         (ticket.slot_id, ticket.generation)).atexit = False
-        return lease
+            return self._lease(slot)
 
     def adopt(self, fd: int) -> tuple[np.ndarray, list[_Slot]]:
         """Lease the slot a worker made for a batch sent without a ticket (see
@@ -288,23 +284,28 @@ class SlotRing:
         Otherwise the lease is a one-off mapping, freed when the batch dies, as torch's shared
         memory would be. Returns ``(lease, created)``; workers must map the slots in ``created``.
         """
-        nbytes = os.fstat(fd).st_size
-        with self._lock:
-            self._collect_returned()
-            if (self._closer.alive and 0 < self.slot_bytes <= nbytes
-                    and len(self._slots) < self.max_slots and self._fits_in_memory()):
-                slot = self._install(fd, nbytes)
-                slot.state = _State.ASSIGNED
-                slot.generation += 1
-                adopted: _Slot | None = slot
-            else:
-                adopted = None
-        if adopted is not None:
-            return self.lease(Ticket(adopted.slot_id, adopted.generation)), [adopted]
         try:
+            nbytes = os.fstat(fd).st_size
+            with self._lock:
+                self._collect_returned()
+                if (self._closer.alive and 0 < self.slot_bytes <= nbytes
+                        and len(self._slots) < self.max_slots and self._fits_in_memory()):
+                    owned, fd = fd, -1  # the slot's from here on, even if installing fails
+                    slot = self._install(owned, nbytes)
+                    slot.generation += 1
+                    return self._lease(slot), [slot]
             return np.frombuffer(_map(fd, nbytes), dtype=np.uint8), []
         finally:
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)  # a one-off mapping holds its memory; nothing else needs the fd
+
+    def _lease(self, slot: _Slot) -> np.ndarray:
+        # Under the lock, so that nothing sees the slot between hand-out and lease.
+        slot.state = _State.LEASED
+        lease = slot.memory.view()
+        weakref.finalize(lease, self._returned.append,
+                         (slot.slot_id, slot.generation)).atexit = False
+        return lease
 
     def fence(self, address: int, fence: Fence) -> bool:
         """Keep the slot holding ``address`` from reuse until ``fence.query()`` is True.
@@ -356,10 +357,10 @@ class SlotRing:
         """Make the memory behind ``fd`` (owned from now on) the ring's next slot."""
         try:
             memory = np.frombuffer(_map(fd, nbytes), dtype=np.uint8)
+            pinned = self.pin is not None and self.pin.register(memory)
         except BaseException:
             os.close(fd)
             raise
-        pinned = self.pin is not None and self.pin.register(memory)
         slot = _Slot(self._next_id, nbytes, fd, memory, pinned)
         self._slots[slot.slot_id] = slot
         self._next_id += 1

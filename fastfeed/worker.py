@@ -37,7 +37,7 @@ from fastfeed.codec import encode
 from fastfeed.collate import collate_into
 from fastfeed.fetch import Fetcher, make_fetcher
 from fastfeed.resume import has_snapshot_protocol
-from fastfeed.ring import Arena, WorkerSlots
+from fastfeed.ring import WorkerSlots
 from fastfeed.skip import drop_skipped
 
 __all__ = ["Produced", "Resume", "WorkerConfig", "WorkerDone", "worker_info", "worker_loop"]
@@ -147,11 +147,15 @@ def _setup(config: WorkerConfig) -> None:
     set_worker_info(config.worker_id, config.num_workers, seed, config.dataset)
 
 
-def _produce(config: WorkerConfig, fetcher: Fetcher, index: Any, arena: Arena | None) -> Produced:
+def _produce(config: WorkerConfig, fetcher: Fetcher, index: Any,
+             slots: WorkerSlots | None, slot_id: int | None) -> Produced:
     start = time.perf_counter()
     samples, skipped = drop_skipped(fetcher.fetch(index))
     dataset_state = config.dataset.state_dict() if config.tracks_state else None
     fetched = time.perf_counter()
+    # Only now, and only for this call: a private slot is not made for a fetch that fails,
+    # and its mapping goes with this frame once the main process has its handle.
+    arena = None if slots is None else slots.arena(slot_id)
     if arena is None:
         batch = config.collate_fn(samples)
     elif config.collate_fn is default_collate:
@@ -219,11 +223,9 @@ def worker_loop(
                 result = init_error
             else:
                 try:
-                    arena = None
                     if slots is not None:
                         slots.sync()
-                        arena = slots.arena(slot_id)
-                    result = _produce(config, fetcher, index, arena)
+                    result = _produce(config, fetcher, index, slots, slot_id)
                     if slots is not None:
                         slots.note_required(result.batch.required)
                 except StopIteration:

@@ -8,7 +8,9 @@ the pinning code is a recorder. Each test fails when its rule is broken.
 import contextlib
 import ctypes
 import gc
+import os
 import threading
+import warnings
 
 import numpy as np
 import pytest
@@ -128,6 +130,42 @@ def test_a_slot_the_ring_cannot_keep_serves_its_batch_alone(why):
     lease, created = ring.adopt(worker_slot(4096, 3))
     assert created == [] and ring.occupancy == before
     assert (lease == 3).all()
+
+
+class RefusingRuntime:
+    """A CUDA runtime whose registration raises (a driver error surfacing as an exception)."""
+
+    device = staticmethod(lambda index: contextlib.nullcontext())
+
+    def host_register(self, address, nbytes):
+        raise RuntimeError("CUDA driver error")
+
+
+def open_memfds():
+    names = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            names.append(os.readlink(f"/proc/self/fd/{fd}"))
+    return sum("memfd:fastfeed" in name for name in names)
+
+
+@pytest.mark.parametrize("failure", ["warning raised as an error", "registration raises"])
+def test_a_slot_that_fails_adoption_closes_its_descriptor(monkeypatch, failure):
+    if failure == "registration raises":
+        ring = SlotRing(2, pin=Pinner(0, runtime=RefusingRuntime()), slot_bytes=4096)
+        expected = RuntimeError
+    else:
+        monkeypatch.setattr(ring_module, "available_memory", lambda: 4096)  # over half of it
+        ring = SlotRing(2, slot_bytes=4096)
+        expected = RuntimeWarning
+    fd = worker_slot(4096, 1)
+    before = open_memfds()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(expected):
+            ring.adopt(fd)
+    assert open_memfds() == before - 1
+    assert ring.occupancy == (0, 0)
 
 
 # -- the ring: copies it cannot see ------------------------------------------------------------
