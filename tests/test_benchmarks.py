@@ -73,3 +73,17 @@ def test_torchvision_pipeline_leaves_out_a_peer_that_is_not_installed(tmp_path):
               "--epochs", "1", "--batch-size", "8")
     assert "dali-cpu: not installed" in out and "| stock |" in out
     assert "| dali-cpu |" not in out
+
+
+@pytest.mark.clients
+def test_short_epochs_compares_short_with_long_in_one_run(tmp_path):
+    pytest.importorskip("torchvision")
+    env = dict(os.environ, FASTFEED_CACHE=str(tmp_path))
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "short_epochs.py"),
+                          "--images", "24", "--short", "8", "--batch-size", "4", "--repeats", "1",
+                          "--epochs", "1", "--json", str(tmp_path / "s.json")],
+                         capture_output=True, text=True, timeout=600, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "| fastfeed-2w | short |" in out.stdout and "of the long ratio" in out.stdout
+    rates = json.loads((tmp_path / "s.json").read_text())["rates"]
+    assert set(rates) == {"stock@short", "fastfeed-2w@short", "stock@long", "fastfeed-2w@long"}
