@@ -66,7 +66,8 @@ def numbered(tmp_path_factory):
 
 
 @pytest.mark.parametrize("world, batch_size, drop_last", [
-    (3, 3, False), (3, 4, False), (4, 3, False), (4, 4, False), (3, 4, True), (2, 3, True)])
+    (3, 3, False), (3, 4, False), (4, 3, False), (4, 4, False), (3, 4, True), (2, 3, True),
+    (4, 2, True)])  # shards of 3 and 4: one whole batch in the smallest, two in the largest
 def test_every_rank_yields_len_batches_and_together_every_sample(numbered, monkeypatch, world,
                                                                   batch_size, drop_last):
     """DDP needs the same number of batches in every rank, every epoch (else a collective
@@ -86,6 +87,8 @@ def test_every_rank_yields_len_batches_and_together_every_sample(numbered, monke
         seen = [t for ranks in epochs for batch in ranks[epoch] for t in batch]
         if not drop_last:  # every sample, a few of them twice (as DistributedSampler pads)
             assert set(seen) == set(range(13)) and len(seen) == world * -(-13 // world)
+        else:  # whole batches only: no sample padded in, none twice
+            assert len(seen) == len(set(seen)), seen
 
 
 def test_ranks_draw_different_seeds(numbered, monkeypatch):

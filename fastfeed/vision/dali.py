@@ -144,10 +144,12 @@ class DaliLoader:
                                   device_id=self.device.index if on_gpu else None,
                                   seed=rank_seed(seed, rank))
         self._pipeline.build()
-        # FILL on padded shards: every batch whole, the padding cut off in __iter__.
-        policy = LastBatchPolicy.DROP if drop_last else LastBatchPolicy.FILL
+        # FILL on padded shards: every batch whole, the padding cut off in __iter__. Also with
+        # drop_last: DALI's DROP ends the iterator's epoch before the reader's, whose padded
+        # rest then came out as the next epoch's first batch (one sample, repeated).
         self._iterator = DALIGenericIterator([self._pipeline], ["img", "label"],
-                                             reader_name="reader", last_batch_policy=policy,
+                                             reader_name="reader",
+                                             last_batch_policy=LastBatchPolicy.FILL,
                                              auto_reset=True)
 
     def __len__(self) -> int:
@@ -158,6 +160,8 @@ class DaliLoader:
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for step, outputs in enumerate(self._iterator):
+            if step >= self._batches:
+                continue  # drop_last: the partial batch and padding, read to end the epoch
             batch = outputs[0]
             images, labels = batch["img"], batch["label"].view(-1).long()
             if step == self._batches - 1:
