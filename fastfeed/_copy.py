@@ -48,7 +48,9 @@ def stack_into(out: torch.Tensor, samples: Sequence[torch.Tensor], threads: int 
     if (
         _C is not None
         and out.is_contiguous()
-        and all(s.dtype == out.dtype and s.is_contiguous() for s in samples)
+        # Raw bytes only where they are the values: not for lazy conjugate or negative views.
+        and all(s.dtype == out.dtype and s.is_contiguous() and not s.is_conj() and not s.is_neg()
+                for s in samples)
         and all(s.shape == out.shape[1:] for s in samples)
     ):
         if samples:

@@ -31,6 +31,8 @@ def stackable(samples: Sequence[Any]) -> bool:
         and s.is_cpu  # a fifth of the cost of s.device.type, paid per sample
         and s.layout == torch.strided
         and not s.requires_grad
+        and not s.is_conj()  # lazy conjugate and negative views: their bytes are not their values
+        and not s.is_neg()
         for s in samples
     )
 

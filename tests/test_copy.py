@@ -43,6 +43,30 @@ def test_stack_into_non_contiguous_sources():
     assert torch.equal(out, torch.stack(samples))
 
 
+def lazy_views(kind):
+    """Samples whose bytes are not their values: lazy conjugate or negative views."""
+    g = torch.Generator().manual_seed(0)
+    if kind == "conj":
+        return [torch.randn(4, 3, dtype=torch.complex64, generator=g).conj() for _ in range(5)]
+    # A contiguous neg-bit view (x.conj().imag of a one-element tensor is one too).
+    return [torch._neg_view(torch.randn(4, 3, generator=g)) for _ in range(5)]
+
+
+@pytest.mark.parametrize("kind", ["conj", "neg"])
+def test_stack_into_and_collate_into_resolve_lazy_views(kind):
+    from torch.utils.data import default_collate
+
+    from fastfeed.collate import collate_into
+    from fastfeed.ring import Arena
+
+    samples = lazy_views(kind)
+    out = torch.empty((5, *samples[0].shape), dtype=samples[0].dtype)
+    _copy.stack_into(out, samples)
+    assert torch.equal(out, torch.stack(samples))
+    arena = Arena(0, torch.empty(1 << 12, dtype=torch.uint8))
+    assert torch.equal(collate_into(samples, arena), default_collate(samples))
+
+
 @pytest.mark.parametrize("threads", [1, 2, 4])
 def test_stack_into_large_batches_split_across_threads(threads):
     samples = [torch.full((3, 512, 1024), i, dtype=torch.uint8) for i in range(12)]  # 18 MiB
