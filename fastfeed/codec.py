@@ -138,6 +138,7 @@ def encode(batch: Any, arena: Arena) -> Encoded:
 class _SlotUnpickler(pickle.Unpickler):
     def __init__(self, file: io.BytesIO, lease: np.ndarray | None) -> None:
         super().__init__(file)
+        self._lease = lease
         self._base = None if lease is None else torch.from_numpy(lease)
         self._typed: dict[torch.dtype, torch.Tensor] = {}
 
@@ -152,12 +153,15 @@ class _SlotUnpickler(pickle.Unpickler):
             return torch.as_strided(typed, shape, stride, byte_offset // dtype.itemsize)
         if kind == "array":
             _, offset, shape, dtype = pid
-            assert self._base is not None
+            assert self._lease is not None
             count = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-            # Through the lease's tensor: numpy collapses a chain of array views to the array
-            # that owns the memory, so a view of the lease itself would not keep the lease (and
-            # the slot) alive; the tensor behind .numpy() is not skipped.
-            return self._base[offset : offset + count].numpy().view(dtype).reshape(shape)
+            if count == 0:
+                return np.empty(shape, dtype)
+            # Over a memoryview of the lease, which holds the lease itself: numpy collapses a
+            # chain of array views past the lease, and a tensor's memory can be moved away
+            # (share_memory_(), a torch.multiprocessing queue) and the lease with it.
+            window = memoryview(self._lease)[offset : offset + count]
+            return np.frombuffer(window, dtype=dtype).reshape(shape)
         raise pickle.UnpicklingError(f"unknown fastfeed persistent id {kind!r}")
 
 

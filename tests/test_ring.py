@@ -128,6 +128,28 @@ def test_numpy_leaves_alone_keep_their_slot():
     assert_same(run(FastLoader), run(DataLoader))
 
 
+def tensor_and_array_collate(samples):
+    labels = [int(s[1]) for s in samples]
+    return {"img": torch.stack([s[0] for s in samples]), "labels": np.array(labels)}
+
+
+def test_a_numpy_leaf_outlives_its_batch_moving_to_shared_memory():
+    # share_memory_() (or a torch.multiprocessing queue) moves a tensor leaf's memory, and
+    # whatever that memory held: a numpy leaf of the same batch must keep its slot by itself.
+    loader = FastLoader(TensorDataset(n=64), batch_size=4, num_workers=2,
+                        collate_fn=tensor_and_array_collate, persistent_workers=True, ring_slots=2)
+    list(loader)
+    iterator = iter(loader)
+    batch = next(iterator)
+    labels, expected = batch["labels"], batch["labels"].copy()
+    batch["img"].share_memory_()
+    del batch
+    gc.collect()
+    for _ in iterator:
+        pass
+    assert np.array_equal(labels, expected), (labels, expected)
+
+
 def test_structured_arrays_keep_their_fields():
     compare(lambda: TensorDataset(n=24), batch_size=4, num_workers=2, collate_fn=numpy_collate,
             epochs=2, persistent_workers=True)
