@@ -67,6 +67,43 @@ def test_collate_exception(num_workers):
                           collate_fn=failing_collate)))
 
 
+MAIN_PID = os.getpid()
+
+
+def _rebuild_outside_main(value):
+    if os.getpid() == MAIN_PID and value == 1:
+        raise ValueError("cannot be rebuilt in the main process")
+    return value
+
+
+class RebuiltInMain:
+    """Pickles from a worker, fails to unpickle in the main process for value 1."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __reduce__(self):
+        return (_rebuild_outside_main, (self.value,))
+
+
+def _collate_with_rebuilt(samples):
+    return torch.stack([s[0] for s in samples]), RebuiltInMain(samples[0][1])
+
+
+def test_a_batch_that_fails_to_rebuild_raises_in_its_turn_and_iteration_continues():
+    loader = FastLoader(TensorDataset(n=4), batch_size=1, num_workers=2,
+                        collate_fn=_collate_with_rebuilt)
+    outcome = []
+    iterator = iter(loader)
+    for _ in range(4):
+        try:
+            outcome.append(next(iterator)[1])
+        except ValueError as error:
+            assert "cannot be rebuilt" in str(error)
+            outcome.append("error")
+    assert outcome == [0, "error", 2, 3]
+
+
 def test_worker_init_exception():
     for cls in (DataLoader, FastLoader):
         with pytest.raises(ValueError, match="init failed in worker 0"):

@@ -397,11 +397,15 @@ class WorkerPoolIterator(BaseIterator):
             self.ring.note_required(result.batch.required)
         try:
             task.result = self._settle(task, result.batch)  # the batch holds the slot's lease
-        except (OSError, EOFError):
-            # Shared memory outside the ring is fetched from its worker: if that worker died,
-            # say so rather than surface a socket error.
-            self._check_workers(wait=2.0)
-            raise
+        except Exception as error:
+            if isinstance(error, (OSError, EOFError)):
+                # Shared memory outside the ring is fetched from its worker: if that worker
+                # died, say so rather than surface a socket error.
+                self._check_workers(wait=2.0)
+            # Raised in the batch's turn, as a worker's exception would be (the task is done:
+            # leaving it without a result would hand the user None there).
+            task.result = ExceptionWrapper(
+                where=f"in the main process, rebuilding a batch of worker {task.worker_id}")
 
     def _process(self, task: _Task) -> Any:
         self._try_put_index()
