@@ -160,7 +160,7 @@ class _SlotUnpickler(pickle.Unpickler):
             # Over a memoryview of the lease, which holds the lease itself: numpy collapses a
             # chain of array views past the lease, and a tensor's memory can be moved away
             # (share_memory_(), a torch.multiprocessing queue) and the lease with it.
-            window = memoryview(self._lease)[offset : offset + count]
+            window = self._lease.data[offset : offset + count]  # a memoryview of the lease
             return np.frombuffer(window, dtype=dtype).reshape(shape)
         raise pickle.UnpicklingError(f"unknown fastfeed persistent id {kind!r}")
 
