@@ -29,9 +29,14 @@ class _Skip:
 SKIP: Any = _Skip()
 
 
-def drop_skipped(samples: Any) -> tuple[Any, int]:
-    """``(samples without SKIP, how many were dropped)``; non-lists pass through."""
-    if not isinstance(samples, list):
+def drop_skipped(samples: Any, batched: bool) -> tuple[Any, int]:
+    """``(samples without SKIP, how many were dropped)``.
+
+    Only a batch's list of samples is filtered (``batched``: automatic batching; otherwise a
+    list is one sample's own content), and only when it holds a SKIP: anything else passes
+    through as it is, a list subclass from ``__getitems__`` included.
+    """
+    if not batched or not isinstance(samples, list) or not any(s is SKIP for s in samples):
         return samples, 0
     kept = [s for s in samples if s is not SKIP]
     return kept, len(samples) - len(kept)

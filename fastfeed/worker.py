@@ -150,7 +150,7 @@ def _setup(config: WorkerConfig) -> None:
 def _produce(config: WorkerConfig, fetcher: Fetcher, index: Any,
              slots: WorkerSlots | None, slot_id: int | None) -> Produced:
     start = time.perf_counter()
-    samples, skipped = drop_skipped(fetcher.fetch(index))
+    samples, skipped = drop_skipped(fetcher.fetch(index), config.auto_collation)
     dataset_state = config.dataset.state_dict() if config.tracks_state else None
     fetched = time.perf_counter()
     # Only now, and only for this call: a private slot is not made for a fetch that fails,

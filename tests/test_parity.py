@@ -18,7 +18,7 @@ from sample_datasets import (
     detection_collate,
     record_worker_init,
 )
-from torch.utils.data import BatchSampler, DataLoader, RandomSampler, SequentialSampler
+from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, SequentialSampler
 
 from fastfeed import FastLoader
 
@@ -169,3 +169,29 @@ def test_prefetch_factor_and_len():
         b = FastLoader(TensorDataset(), num_workers=2, prefetch_factor=1, **kwargs)
         assert len(a) == len(b)
         assert_same(list(a), list(b))
+
+
+class Pair(list):
+    """A sample that is a list subclass."""
+
+
+class PairDataset(Dataset):
+    def __len__(self):
+        return 6
+
+    def __getitem__(self, i):
+        return Pair([i, i + 1])
+
+    def __getitems__(self, indices):
+        return Pair(self[i] for i in indices)  # a batch's samples, in a list subclass too
+
+
+def keep_samples(samples):
+    return samples
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_list_subclasses_keep_their_type(num_workers):
+    # Neither one sample (batch_size=None) nor a __getitems__ result is rebuilt as a list.
+    compare(PairDataset, batch_size=None, num_workers=num_workers)
+    compare(PairDataset, batch_size=2, num_workers=num_workers, collate_fn=keep_samples)

@@ -39,7 +39,7 @@ class SingleProcessIterator(BaseIterator):
     def _next_data(self) -> Any:
         index = self._next_index()
         start = time.perf_counter()
-        samples, skipped = drop_skipped(self._fetcher.fetch(index))
+        samples, skipped = drop_skipped(self._fetcher.fetch(index), self._auto_collation)
         self._telemetry.skipped += skipped
         if self._tracks_state:
             self._dataset_states[0] = self._dataset.state_dict()
