@@ -374,8 +374,13 @@ class FastLoader(DataLoader):
         return state.to_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Make the next ``iter(loader)`` resume from ``state_dict`` (see :meth:`state_dict`)."""
+        """Make the next ``iter(loader)`` resume from ``state_dict`` (see :meth:`state_dict`).
+
+        Running persistent workers are let go: the next ``iter()`` starts new ones, seeded as
+        those of the run the state comes from.
+        """
         self._learned.resume = LoaderState.from_dict(state_dict)
+        self._iterator = None
 
     def __iter__(self) -> Any:
         self._sync_tuned_workers()

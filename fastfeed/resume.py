@@ -79,6 +79,10 @@ class LoaderState:
             per worker replica (one for ``num_workers=0``); None when the dataset has none.
         next_worker: the replica whose batch comes next (round-robin position).
         workers_done: replicas already exhausted before the next batch.
+        draws_base_seed: whether the epoch drew its workers' base seed from the random state
+            (after creating the sampler's iterator, as torch does): an iterator's first epoch
+            does, the later epochs of persistent workers do not.
+        base_seed: the workers' base seed, for an epoch that does not draw one.
     """
 
     batches_yielded: int = 0
@@ -86,6 +90,8 @@ class LoaderState:
     dataset_states: list[Any] | None = None
     next_worker: int = 0
     workers_done: list[bool] | None = None
+    draws_base_seed: bool = True
+    base_seed: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"version": STATE_VERSION, **asdict(self)}

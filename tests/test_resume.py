@@ -46,6 +46,39 @@ def test_map_style_resume_is_exact(num_workers, persistent, stop_after):
     assert_same(uninterrupted(build, 3), interrupted(build, stop_after, 3))
 
 
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("epoch, stop_after", [(1, 2), (2, 0), (2, 3), (1, 6)])
+def test_a_snapshot_of_a_later_epoch_resumes_exactly(persistent, epoch, stop_after):
+    # Later epochs of a persistent iterator draw no worker seed; the first epoch does. A
+    # snapshot must say which, or the resumed sampler draws one step off.
+    build = map_loader(persistent=persistent)
+    expected = uninterrupted(build, 4)
+    first = build()
+    done = [list(first) for _ in range(epoch)]
+    iterator, head = iter(first), []
+    for _ in range(stop_after):
+        head.append(next(iterator))
+    state = pickle.loads(pickle.dumps(first.state_dict()))
+    resumed = build()
+    resumed.load_state_dict(state)
+    got = done + [head + list(resumed)] + [list(resumed) for _ in range(3 - epoch)]
+    assert_same(expected, got)
+
+
+def test_loading_a_state_into_a_loader_with_running_workers():
+    build = map_loader(persistent=True)
+    expected = uninterrupted(build, 3)
+    first = build()
+    done = [list(first)]
+    iterator = iter(first)
+    head = [next(iterator), next(iterator)]
+    state = first.state_dict()
+    live = build()
+    list(live)  # its persistent workers run, and its generator has moved on
+    live.load_state_dict(state)
+    assert_same(expected, [*done, head + list(live), list(live)])
+
+
 def test_resume_with_a_different_worker_count():
     assert_same(uninterrupted(map_loader(2), 2),
                 interrupted(map_loader(2), 4, 2, rebuild=map_loader(0)))

@@ -66,9 +66,16 @@ class BaseIterator:
             resume.epoch_start.restore(loader.generator)
         self._epoch_start = EpochStart.capture(loader.generator)
         self._sampler_iter = iter(self._index_sampler)
-        self._base_seed = int(
-            torch.empty((), dtype=torch.int64).random_(generator=loader.generator).item()
-        )
+        # Replay the epoch's draws exactly: a snapshot of a persistent iterator's later epoch
+        # drew no base seed, and carries the one its workers had.
+        self._draws_base_seed = resume is None or resume.draws_base_seed
+        if self._draws_base_seed:
+            self._base_seed = int(
+                torch.empty((), dtype=torch.int64).random_(generator=loader.generator).item()
+            )
+        else:
+            assert resume is not None and resume.base_seed is not None
+            self._base_seed = resume.base_seed
         self._num_yielded = 0
         self._skip_by_reading = 0
         self._exhausted = False
@@ -80,13 +87,11 @@ class BaseIterator:
         return self
 
     def _reset(self, loader: DataLoader, first_iter: bool = False) -> None:
-        if first_iter:
-            resume, self._resume = self._resume, None
-        else:
-            resume = self._setup.learned.take_resume()
-            if resume is not None:
-                resume.epoch_start.restore(loader.generator)
+        # A snapshot applies only to a new iterator (load_state_dict drops a persistent one).
+        resume, self._resume = self._resume, None
+        if not first_iter:
             self._epoch_start = EpochStart.capture(loader.generator)
+            self._draws_base_seed = False  # persistent workers keep theirs
         self._sampler_iter = iter(self._index_sampler)
         self._num_yielded = 0
         self._skip_by_reading = 0
@@ -116,13 +121,18 @@ class BaseIterator:
 
     def state_dict(self) -> LoaderState:
         """A snapshot from which a new loader resumes at the next batch of this epoch."""
-        if self._exhausted:
-            return LoaderState(epoch_start=EpochStart.capture(self._generator))
+        if self._exhausted:  # the next epoch: persistent workers will draw no base seed
+            persistent = self._persistent_workers and self._num_workers > 0
+            return LoaderState(epoch_start=EpochStart.capture(self._generator),
+                               draws_base_seed=not persistent,
+                               base_seed=self._base_seed if persistent else None)
         has_states = any(state is not None for state in self._dataset_states)
         return LoaderState(
             batches_yielded=self._num_yielded,
             epoch_start=self._epoch_start,
             dataset_states=list(self._dataset_states) if has_states else None,
+            draws_base_seed=self._draws_base_seed,
+            base_seed=self._base_seed,
             **self._round_robin_position(),
         )
 
