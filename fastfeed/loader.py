@@ -22,7 +22,7 @@ from fastfeed.device import (
 )
 from fastfeed.iterators import IteratorSetup, Learned, SingleProcessIterator, WorkerPoolIterator
 from fastfeed.pinning import Pinner
-from fastfeed.resume import EpochStart, LoaderState
+from fastfeed.resume import EpochStart, LoaderState, RandomSources
 from fastfeed.ring import SlotRing, ring_supported
 from fastfeed.telemetry import GpuSampler, LoaderStats, Telemetry
 
@@ -367,7 +367,7 @@ class FastLoader(DataLoader):
         """
         iterator = self._live_iterator()
         if iterator is None:
-            return LoaderState(epoch_start=EpochStart.capture(self.generator)).to_dict()
+            return LoaderState(epoch_start=EpochStart.capture(RandomSources.of(self))).to_dict()
         state = iterator.state_dict() if hasattr(iterator, "state_dict") else None
         if state is None:
             raise TypeError("DataPipe datasets run on torch's iterators and cannot be resumed")

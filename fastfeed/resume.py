@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["EpochStart", "LoaderState", "has_snapshot_protocol"]
+__all__ = ["EpochStart", "LoaderState", "RandomSources", "has_snapshot_protocol"]
 
 STATE_VERSION = 1
 
@@ -42,20 +42,53 @@ def has_snapshot_protocol(dataset: Any) -> bool:
     return not any(p.kind in required and p.default is p.empty for p in parameters)
 
 
+@dataclass(frozen=True)
+class RandomSources:
+    """Where a loader's epoch draws from: its ``generator`` (else torch's global RNG), and a
+    sampler's own generator (``RandomSampler(generator=...)``), which the loader's does not
+    cover."""
+
+    generator: torch.Generator | None
+    sampler_generator: torch.Generator | None
+
+    @classmethod
+    def of(cls, loader: Any) -> RandomSources:
+        sampler = loader.sampler
+        if loader.batch_sampler is not None:  # a user's batch sampler may wrap no sampler
+            sampler = getattr(loader.batch_sampler, "sampler", loader.batch_sampler)
+        own = getattr(sampler, "generator", None)
+        if not isinstance(own, torch.Generator) or own is loader.generator:
+            own = None
+        return cls(loader.generator, own)
+
+
 @dataclass
 class EpochStart:
-    """The random state an epoch starts from: the loader's generator, or torch's global RNG."""
+    """The random state an epoch starts from: the loader's generator, or torch's global RNG,
+    and a sampler's own generator."""
 
     generator_state: torch.Tensor | None = None
     global_rng_state: torch.Tensor | None = None
+    sampler_generator_state: torch.Tensor | None = None
 
     @classmethod
-    def capture(cls, generator: torch.Generator | None) -> EpochStart:
-        if generator is not None:
-            return cls(generator_state=generator.get_state())
-        return cls(global_rng_state=torch.get_rng_state())
+    def capture(cls, sources: RandomSources) -> EpochStart:
+        own = sources.sampler_generator
+        state = cls(sampler_generator_state=own.get_state() if own is not None else None)
+        if sources.generator is not None:
+            state.generator_state = sources.generator.get_state()
+        else:
+            state.global_rng_state = torch.get_rng_state()
+        return state
 
-    def restore(self, generator: torch.Generator | None) -> None:
+    def restore(self, sources: RandomSources) -> None:
+        generator, own = sources.generator, sources.sampler_generator
+        if (own is None) != (self.sampler_generator_state is None):
+            raise ValueError(
+                "this state was saved from a loader "
+                + ("with" if self.sampler_generator_state is not None else "without")
+                + " a sampler generator; load it into a loader built the same way"
+            )
         if generator is not None and self.generator_state is not None:
             generator.set_state(self.generator_state)
         elif generator is None and self.global_rng_state is not None:
@@ -66,6 +99,8 @@ class EpochStart:
                 + ("with" if self.generator_state is not None else "without")
                 + " a generator; load it into a loader built the same way"
             )
+        if own is not None and self.sampler_generator_state is not None:
+            own.set_state(self.sampler_generator_state)
 
 
 @dataclass

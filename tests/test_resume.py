@@ -6,6 +6,7 @@ import pytest
 import torch
 from helpers import assert_same
 from sample_datasets import ShardedIterable, StatefulIterable, TensorDataset
+from torch.utils.data import BatchSampler, RandomSampler
 
 from fastfeed import FastLoader
 
@@ -15,9 +16,11 @@ def uninterrupted(build, epochs):
     return [list(loader) for _ in range(epochs)]
 
 
-def interrupted(build, stop_after, epochs, rebuild=None):
-    """Run ``stop_after`` batches, snapshot (through pickle), resume in a new loader."""
+def interrupted(build, stop_after, epochs, rebuild=None, epochs_before=0):
+    """Run ``epochs_before`` epochs and ``stop_after`` batches, snapshot (through pickle),
+    resume in a new loader."""
     first = build()
+    done = [list(first) for _ in range(epochs_before)]
     head, iterator = [], iter(first)
     for _ in range(stop_after):
         head.append(next(iterator))
@@ -25,7 +28,8 @@ def interrupted(build, stop_after, epochs, rebuild=None):
     del iterator, first
     resumed = (rebuild or build)()
     resumed.load_state_dict(state)
-    return [head + list(resumed)] + [list(resumed) for _ in range(epochs - 1)]
+    current = head + list(resumed)
+    return [*done, current, *(list(resumed) for _ in range(epochs - epochs_before - 1))]
 
 
 def map_loader(num_workers=2, persistent=False, device=None, seed=7):
@@ -77,6 +81,28 @@ def test_loading_a_state_into_a_loader_with_running_workers():
     list(live)  # its persistent workers run, and its generator has moved on
     live.load_state_dict(state)
     assert_same(expected, [*done, head + list(live), list(live)])
+
+
+def test_a_mid_epoch_snapshot_out_of_order_is_refused():
+    loader = FastLoader(TensorDataset(n=40), batch_size=4, num_workers=2, in_order=False)
+    iterator = iter(loader)
+    next(iterator)
+    with pytest.raises(RuntimeError, match="needs in_order=True"):
+        loader.state_dict()
+    for _ in iterator:
+        pass
+    loader.state_dict()  # at the epoch's end: nothing out of order to record
+
+
+@pytest.mark.parametrize("via", ["sampler", "batch_sampler"])
+def test_a_samplers_own_generator_is_part_of_the_state(via):
+    def build():
+        sampler = RandomSampler(range(20), generator=torch.Generator().manual_seed(0))
+        order = ({"sampler": sampler, "batch_size": 4} if via == "sampler"
+                 else {"batch_sampler": BatchSampler(sampler, 4, drop_last=False)})
+        return FastLoader(TensorDataset(n=20), num_workers=2, **order)
+
+    assert_same(uninterrupted(build, 3), interrupted(build, 2, 3, epochs_before=1))
 
 
 def test_resume_with_a_different_worker_count():

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 
 from fastfeed._torch_compat import is_iterable_dataset, pin_memory
 from fastfeed.iterators.setup import IteratorSetup
-from fastfeed.resume import EpochStart, LoaderState
+from fastfeed.resume import EpochStart, LoaderState, RandomSources
 from fastfeed.ring import SlotRing
 from fastfeed.telemetry import batch_length
 
@@ -60,11 +60,11 @@ class BaseIterator:
         self._pin_memory = setup.pin_batches
         self.ring: SlotRing | None = None  # where this iterator's batches live, if anywhere
 
-        self._generator = loader.generator
+        self._random = RandomSources.of(loader)
         resume = setup.learned.take_resume()
         if resume is not None:
-            resume.epoch_start.restore(loader.generator)
-        self._epoch_start = EpochStart.capture(loader.generator)
+            resume.epoch_start.restore(self._random)
+        self._epoch_start = EpochStart.capture(self._random)
         self._sampler_iter = iter(self._index_sampler)
         # Replay the epoch's draws exactly: a snapshot of a persistent iterator's later epoch
         # drew no base seed, and carries the one its workers had.
@@ -90,7 +90,7 @@ class BaseIterator:
         # A snapshot applies only to a new iterator (load_state_dict drops a persistent one).
         resume, self._resume = self._resume, None
         if not first_iter:
-            self._epoch_start = EpochStart.capture(loader.generator)
+            self._epoch_start = EpochStart.capture(self._random)
             self._draws_base_seed = False  # persistent workers keep theirs
         self._sampler_iter = iter(self._index_sampler)
         self._num_yielded = 0
@@ -123,7 +123,7 @@ class BaseIterator:
         """A snapshot from which a new loader resumes at the next batch of this epoch."""
         if self._exhausted:  # the next epoch: persistent workers will draw no base seed
             persistent = self._persistent_workers and self._num_workers > 0
-            return LoaderState(epoch_start=EpochStart.capture(self._generator),
+            return LoaderState(epoch_start=EpochStart.capture(self._random),
                                draws_base_seed=not persistent,
                                base_seed=self._base_seed if persistent else None)
         has_states = any(state is not None for state in self._dataset_states)

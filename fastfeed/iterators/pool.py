@@ -415,6 +415,14 @@ class WorkerPoolIterator(BaseIterator):
             self._dataset_states[task.worker_id] = task.dataset_state
         return self._pin(task.result)
 
+    def state_dict(self) -> LoaderState:
+        if not self._in_order and self._num_yielded and not self._exhausted:
+            # Out of order, the delivered batches are not the first N of the sampler: a count
+            # cannot say which they were.
+            raise RuntimeError("a mid-epoch state_dict() needs in_order=True (with "
+                               "in_order=False, batches arrive out of sampler order)")
+        return super().state_dict()
+
     def _round_robin_position(self) -> dict[str, Any]:
         if not self._iterable:
             return {}
