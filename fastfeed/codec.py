@@ -14,7 +14,7 @@ import io
 import pickle
 from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -51,16 +51,30 @@ def _slot_eligible_tensor(obj: Any) -> bool:
 
 class _SlotPickler(ForkingPickler):
     def __init__(self, file: io.BytesIO, arena: Arena) -> None:
-        super().__init__(file, pickle.HIGHEST_PROTOCOL)
+        # The default protocol, as multiprocessing's queues use: what is pickled by value
+        # comes back as it does from torch's loader (numpy makes non-native byte orders
+        # native below protocol 5).
+        super().__init__(file)
         self._arena = arena
         self._storage_offsets: dict[tuple[int, int], int | None] = {}
+        # id -> (object, its descriptor): pickle's memo comes after persistent_id, so an object
+        # met twice is remembered here, and rebuilt once (as the same object, as pickle does).
+        self._seen: dict[int, tuple[Any, tuple]] = {}
 
     def persistent_id(self, obj: Any) -> Any:
+        seen = self._seen.get(id(obj))
+        if seen is not None:
+            return seen[1]
         if _slot_eligible_tensor(obj):
-            return self._tensor_id(obj)
-        if type(obj) is np.ndarray and not obj.dtype.hasobject:
-            return self._array_id(obj)
-        return None
+            pid = self._tensor_id(obj)
+        elif type(obj) is np.ndarray and not obj.dtype.hasobject:
+            pid = self._array_id(obj)
+        else:
+            return None
+        if pid is not None:
+            pid = (pid[0], len(self._seen), *pid[1:])  # a serial number: the object's identity
+            self._seen[id(obj)] = (obj, pid)
+        return pid
 
     def _tensor_id(self, tensor: torch.Tensor) -> tuple | None:
         storage = tensor.untyped_storage()
@@ -91,14 +105,19 @@ class _SlotPickler(ForkingPickler):
         return offset
 
     def _array_id(self, array: np.ndarray) -> tuple | None:
+        if not array.dtype.isnative:
+            return None  # numpy's own pickling makes it native: keep exactly what it gives
         offset = self._arena.allocate(array.nbytes)
         if offset is None:
             return None
         assert self._arena.buffer is not None
         dest = self._arena.buffer[offset : offset + array.nbytes].numpy()
-        np.copyto(dest.view(array.dtype).reshape(array.shape), array)
+        # Fortran order survives, as it does numpy's pickling; other layouts become C order.
+        fortran = array.flags.f_contiguous and not array.flags.c_contiguous
+        order: Literal["C", "F"] = "F" if fortran else "C"
+        np.copyto(np.ndarray(array.shape, array.dtype, buffer=dest, order=order), array)
         # The dtype itself: its string form loses a structured dtype's fields.
-        return ("array", offset, array.shape, array.dtype)
+        return ("array", offset, array.shape, array.dtype, order)
 
 
 class _MeasuringPickler(_SlotPickler):
@@ -141,27 +160,34 @@ class _SlotUnpickler(pickle.Unpickler):
         self._lease = lease
         self._base = None if lease is None else torch.from_numpy(lease)
         self._typed: dict[torch.dtype, torch.Tensor] = {}
+        self._rebuilt: dict[int, Any] = {}  # serial -> object
 
     def persistent_load(self, pid: Any) -> Any:
+        serial = pid[1]
+        if serial not in self._rebuilt:
+            self._rebuilt[serial] = self._rebuild(pid)
+        return self._rebuilt[serial]
+
+    def _rebuild(self, pid: tuple) -> Any:
         kind = pid[0]
         if kind == "tensor":
-            _, byte_offset, shape, stride, dtype = pid
+            _, _, byte_offset, shape, stride, dtype = pid
             typed = self._typed.get(dtype)
             if typed is None:
                 assert self._base is not None
                 typed = self._typed[dtype] = self._base.view(dtype)
             return torch.as_strided(typed, shape, stride, byte_offset // dtype.itemsize)
         if kind == "array":
-            _, offset, shape, dtype = pid
+            _, _, offset, shape, dtype, order = pid
             assert self._lease is not None
             count = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-            if count == 0:
+            if dtype.itemsize == 0:  # frombuffer refuses such dtypes; there are no bytes anyway
                 return np.empty(shape, dtype)
             # Over a memoryview of the lease, which holds the lease itself: numpy collapses a
             # chain of array views past the lease, and a tensor's memory can be moved away
             # (share_memory_(), a torch.multiprocessing queue) and the lease with it.
             window = self._lease.data[offset : offset + count]  # a memoryview of the lease
-            return np.frombuffer(window, dtype=dtype).reshape(shape)
+            return np.frombuffer(window, dtype=dtype).reshape(shape, order=order)
         raise pickle.UnpicklingError(f"unknown fastfeed persistent id {kind!r}")
 
 

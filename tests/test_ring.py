@@ -150,6 +150,33 @@ def test_a_numpy_leaf_outlives_its_batch_moving_to_shared_memory():
     assert np.array_equal(labels, expected), (labels, expected)
 
 
+def layout_collate(samples):
+    array = np.stack([s[0].numpy() for s in samples])
+    tensor = torch.stack([s[0] for s in samples])
+    return {"array": array, "array_again": array, "tensor": tensor, "tensor_again": tensor,
+            "fortran": np.asfortranarray(array.reshape(len(samples), -1)),
+            "big_endian": array.astype(">i4"), "empty": np.zeros((0, 4))}
+
+
+def layout(batch):
+    """What pickling keeps beyond values: identity, strides, byte order."""
+    return (batch["array"] is batch["array_again"], batch["tensor"] is batch["tensor_again"],
+            batch["fortran"].strides, batch["big_endian"].dtype.str, batch["empty"].strides)
+
+
+def test_leaves_keep_identity_layout_and_byte_order_as_torch_gives_them():
+    def run(cls):
+        loader = cls(TensorDataset(n=16), batch_size=4, num_workers=2, collate_fn=layout_collate,
+                     persistent_workers=True)
+        return [batch for _ in range(2) for batch in loader]  # private slots, then the ring's
+
+    expected, got = run(DataLoader), run(FastLoader)
+    assert_same(expected, got)
+    assert [layout(b) for b in got] == [layout(b) for b in expected]
+    got[0]["array"][0, 0, 0, 0] = 255  # one object, so one memory
+    assert got[0]["array_again"][0, 0, 0, 0] == 255
+
+
 def test_structured_arrays_keep_their_fields():
     compare(lambda: TensorDataset(n=24), batch_size=4, num_workers=2, collate_fn=numpy_collate,
             epochs=2, persistent_workers=True)
