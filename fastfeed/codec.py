@@ -49,6 +49,22 @@ def _slot_eligible_tensor(obj: Any) -> bool:
     )
 
 
+# A storage up to this many times larger than the tensor viewing it is copied whole (views
+# that share it keep sharing it); a larger one, only the tensor's bytes.
+_WHOLE_STORAGE_LIMIT = 4
+
+
+def _extent(tensor: torch.Tensor) -> tuple[int, int]:
+    """``(first byte, bytes)`` of the tensor's elements in its storage."""
+    itemsize = tensor.element_size()
+    first = int(tensor.storage_offset()) * itemsize
+    if tensor.numel() == 0:
+        return first, 0
+    span = 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(),
+                                                                 strict=True))
+    return first, span * itemsize
+
+
 class _SlotPickler(ForkingPickler):
     def __init__(self, file: io.BytesIO, arena: Arena) -> None:
         # The default protocol, as multiprocessing's queues use: what is pickled by value
@@ -56,7 +72,7 @@ class _SlotPickler(ForkingPickler):
         # native below protocol 5).
         super().__init__(file)
         self._arena = arena
-        self._storage_offsets: dict[tuple[int, int], int | None] = {}
+        self._storage_offsets: dict[tuple[int, int, int, int], int | None] = {}
         # id -> (object, its descriptor): pickle's memo comes after persistent_id, so an object
         # met twice is remembered here, and rebuilt once (as the same object, as pickle does).
         self._seen: dict[int, tuple[Any, tuple]] = {}
@@ -77,31 +93,36 @@ class _SlotPickler(ForkingPickler):
         return pid
 
     def _tensor_id(self, tensor: torch.Tensor) -> tuple | None:
+        """The tensor as a region of the slot (its storage there) and its view of that."""
         storage = tensor.untyped_storage()
+        first, length = _extent(tensor)
         if self._arena.owns(tensor):
-            base = 0  # stacked into the slot by the collate step: no copy at all
+            region, first = first, 0  # stacked into the slot by the collate step: no copy
         elif storage.is_shared():
             return None  # already in shared memory (torch's collate did it): send its handle
         else:
-            # Copy the whole storage once, so that views sharing it still share it after. Two
-            # storages may start at one address with different sizes (two from_numpy views).
-            key = (storage.data_ptr(), storage.nbytes())
+            # The whole storage, copied once, so that views sharing it still share it after;
+            # of a storage far larger than the tensor (a row of a dataset's big tensor), only
+            # the tensor's own bytes. Two storages may start at one address with other sizes.
+            start = first
+            if storage.nbytes() <= _WHOLE_STORAGE_LIMIT * max(length, 1):
+                start, length = 0, storage.nbytes()
+            key = (storage.data_ptr(), storage.nbytes(), start, length)
             if key not in self._storage_offsets:
-                self._storage_offsets[key] = self._copy_storage(storage)
+                self._storage_offsets[key] = self._copy_bytes(storage, start, length)
             offset = self._storage_offsets[key]
             if offset is None:
                 return None
-            base = offset
-        byte_offset = base + tensor.storage_offset() * tensor.element_size()
-        return ("tensor", byte_offset, tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
+            region, first = offset, first - start
+        return ("tensor", region, length, first // tensor.element_size(), tuple(tensor.shape),
+                tuple(tensor.stride()), tensor.dtype)
 
-    def _copy_storage(self, storage: torch.UntypedStorage) -> int | None:
-        nbytes = storage.nbytes()
-        offset = self._arena.allocate(nbytes)
-        if offset is not None and nbytes:
+    def _copy_bytes(self, storage: torch.UntypedStorage, start: int, length: int) -> int | None:
+        offset = self._arena.allocate(length)
+        if offset is not None and length:
             assert self._arena.buffer is not None
-            source = torch.empty(0, dtype=torch.uint8).set_(storage)
-            self._arena.buffer[offset : offset + nbytes].copy_(source)
+            source = torch.empty(0, dtype=torch.uint8).set_(storage)[start : start + length]
+            self._arena.buffer[offset : offset + length].copy_(source)
         return offset
 
     def _array_id(self, array: np.ndarray) -> tuple | None:
@@ -158,8 +179,7 @@ class _SlotUnpickler(pickle.Unpickler):
     def __init__(self, file: io.BytesIO, lease: np.ndarray | None) -> None:
         super().__init__(file)
         self._lease = lease
-        self._base = None if lease is None else torch.from_numpy(lease)
-        self._typed: dict[torch.dtype, torch.Tensor] = {}
+        self._storages: dict[tuple[int, int], torch.Tensor] = {}
         self._rebuilt: dict[int, Any] = {}  # serial -> object
 
     def persistent_load(self, pid: Any) -> Any:
@@ -168,15 +188,29 @@ class _SlotUnpickler(pickle.Unpickler):
             self._rebuilt[serial] = self._rebuild(pid)
         return self._rebuilt[serial]
 
+    def _storage(self, region: int, length: int, dtype: torch.dtype) -> torch.Tensor:
+        """A tensor over bytes ``[region, region + length)`` of the slot, one per region: each
+        leaf gets a storage of its own size (``torch.save`` of a label writes the label, not
+        the slot), and views of one storage in the worker share one here. It holds the lease
+        through a memoryview of it (numpy would collapse a view past the lease)."""
+        raw = self._storages.get((region, length))
+        if raw is None:
+            if length == 0:
+                raw = torch.empty(0, dtype=torch.uint8)
+            else:
+                assert self._lease is not None
+                raw = torch.frombuffer(self._lease.data[region : region + length],
+                                       dtype=torch.uint8)
+            self._storages[(region, length)] = raw
+        # A storage of one dtype may be viewed as a wider one over fewer bytes than its all.
+        return raw[: length - length % dtype.itemsize].view(dtype)
+
     def _rebuild(self, pid: tuple) -> Any:
         kind = pid[0]
         if kind == "tensor":
-            _, _, byte_offset, shape, stride, dtype = pid
-            typed = self._typed.get(dtype)
-            if typed is None:
-                assert self._base is not None
-                typed = self._typed[dtype] = self._base.view(dtype)
-            return torch.as_strided(typed, shape, stride, byte_offset // dtype.itemsize)
+            _, _, region, length, element_offset, shape, stride, dtype = pid
+            return torch.as_strided(self._storage(region, length, dtype), shape, stride,
+                                    element_offset)
         if kind == "array":
             _, _, offset, shape, dtype, order = pid
             assert self._lease is not None
