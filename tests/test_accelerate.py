@@ -275,7 +275,33 @@ def test_the_prefix_and_the_users_tail(root):
     assert plan.tail == list(preset.transforms.transforms[3:]), "the user's own objects"
 
 
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_to_image_pipeline_gives_plain_tensor_batches(num_workers, root):
+    pipeline = v2.Compose([v2.RandomResizedCrop(32), v2.ToImage(),
+                           v2.ToDtype(torch.float32, scale=True),
+                           v2.Normalize([0.5] * 3, [0.2] * 3)])
+    fast = accelerate(datasets.ImageFolder(str(root), transform=pipeline))
+
+    def first(cls):
+        torch.manual_seed(0)
+        return next(iter(cls(fast, batch_size=4, num_workers=num_workers)))[0]
+
+    expected, got = first(DataLoader), first(FastLoader)
+    assert type(got) is type(expected) is torch.Tensor
+    assert torch.equal(got, expected)
+
+
+def test_a_second_resize_is_the_users_own(root):
+    # Resize(16) then Resize(64) is a blurred upscale in torchvision: one resize from the
+    # source window would be sharp. The fast prefix stops before the second.
+    pipeline = T.Compose([T.Resize(16), T.Resize(64), T.RandomResizedCrop(32), T.ToTensor()])
+    plan = accelerate(datasets.ImageFolder(str(root), transform=pipeline)).transform.plan
+    assert [name for name, _ in plan.geometry] == ["Resize"]
+    assert plan.tail == list(pipeline.transforms[1:])
+
+
 @pytest.mark.parametrize(("make", "named"), [
+    (lambda r: datasets.ImageFolder(r, transform=T.Compose([])), "empty"),
     (lambda r: datasets.ImageFolder(r, transform=T.Compose([
         T.ColorJitter(0.4), T.RandomResizedCrop(64), T.ToTensor()])), "ColorJitter"),
     (lambda r: datasets.ImageFolder(r, transform=T.Compose([
@@ -560,7 +586,7 @@ def test_batch_tail_is_sync_free(name, root):
 
 def test_batch_tail_normalizes_as_torchvision(root):
     """The same values as torchvision's Normalize (v1 and v2, tensor mean/std as timm passes),
-    its zero-std error, and v2's output type."""
+    its zero-std error, and the type default_collate gives v2's images: a plain tensor."""
     images = torch.rand(4, 3, 8, 8)
     for normalize in (T.Normalize(MEAN, STD), v2.Normalize(MEAN, STD),
                       T.Normalize(torch.tensor(MEAN), torch.tensor(STD))):
@@ -573,7 +599,7 @@ def test_batch_tail_normalizes_as_torchvision(root):
         v2.ToImage(), v2.ToDtype(torch.float32, scale=True), v2.Normalize(MEAN, STD)]))
     _, tail = deferred_for_device(accelerate(stock))
     got, _ = tail([torch.zeros(2, 3, 4, 4, dtype=torch.uint8), None])
-    assert type(got).__name__ == "Image"
+    assert type(got) is torch.Tensor
     stock = datasets.ImageFolder(str(root), transform=T.Compose([
         T.ToTensor(), T.Normalize(MEAN, [0.2, 0.0, 0.2])]))
     _, tail = deferred_for_device(accelerate(stock))

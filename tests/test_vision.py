@@ -237,3 +237,24 @@ def test_image_collate_takes_chw_tensors_and_hwc_arrays():
     from_tensors = ImageCollate()(list(zip(chw, targets, strict=True)))
     assert_same(from_arrays, from_tensors)
     assert torch.equal(from_tensors[0], torch.stack(chw))
+
+
+def test_a_cmyk_jpeg_decodes_as_pillow_converts_it_and_draws_its_box_once():
+    # ImageNet holds CMYK JPEGs: the window decoder refuses them, Pillow converts them.
+    from fastfeed.vision.decode import decode_resized_crop, roi_decoder_available
+
+    if not roi_decoder_available():
+        pytest.skip("no window decoder here (the libjpeg-turbo extension is not built)")
+    rgb = np.random.default_rng(0).integers(0, 256, (48, 64, 3), dtype=np.uint8)
+    encoded = io.BytesIO()
+    Image.fromarray(rgb).convert("CMYK").save(encoded, format="JPEG", quality=95)
+    calls = []
+
+    def choose_box(width, height):
+        calls.append((width, height))
+        return 8, 4, 40, 32
+
+    with_window = decode_resized_crop(encoded.getvalue(), choose_box, (20, 16))
+    assert len(calls) == 1
+    pillow = decode_resized_crop(encoded.getvalue(), choose_box, (20, 16), use_roi=False)
+    assert torch.equal(with_window, pillow)

@@ -56,6 +56,7 @@ __all__ = [
 _TIMM_RRC = "timm.RandomResizedCropAndInterpolation"
 _CROPS = ("RandomResizedCrop", _TIMM_RRC)
 _GEOMETRY = (*_CROPS, "Resize", "CenterCrop", "RandomHorizontalFlip")
+_RESIZES = (*_CROPS, "Resize")
 # Conversions from a PIL image, and what each gives for the equivalent uint8 CHW tensor.
 _TO_FLOAT = ("ToTensor", "timm.MaybeToTensor")  # float in [0, 1]
 _TO_UINT8 = ("PILToTensor", "timm.MaybePILToTensor")
@@ -184,6 +185,8 @@ def _compile(transform: Any) -> _Plan:
     if transform is None:
         raise UnsupportedPipeline("transform=None (the dataset returns PIL images)")
     pieces = _flatten(transform)
+    if not pieces:
+        raise UnsupportedPipeline("an empty transform")
     geometry: list[tuple[str, Any]] = []
     conversion: tuple[str, Any] | None = None
     prefix = 0
@@ -191,6 +194,10 @@ def _compile(transform: Any) -> _Plan:
         name = _kind(piece)
         # Geometry after ToNumpy would fail in the stock pipeline too: left to the tail.
         geometry_ok = conversion is None or conversion[0] != "timm.ToNumpy"
+        # One resize at most: two resample twice (Resize(32) then Resize(224) is blurred),
+        # which one resize from the source window cannot reproduce.
+        if name in _RESIZES and any(taken in _RESIZES for taken, _ in geometry):
+            break
         if name in _GEOMETRY and geometry_ok and _geometry_problem(piece, name) is None:
             geometry.append((name, piece))
         elif name in _CONVERSIONS and conversion is None:
@@ -505,7 +512,11 @@ class BatchTail:
 
     def __call__(self, batch: Any) -> Any:
         images, *rest = batch
-        return type(batch)([_run(self.ops, _convert(images, self.conversion)), *rest])
+        images = _run(self.ops, _convert(images, self.conversion))
+        if isinstance(images, torch.Tensor) and type(images) is not torch.Tensor:
+            # default_collate stacks tv_tensors (ToImage's) into a plain tensor
+            images = images.as_subclass(torch.Tensor)
+        return type(batch)([images, *rest])
 
     def _find_float_start(self) -> tuple[torch.dtype, list[Callable[[Any], Any]]] | None:
         """``(dtype, the ops after it)`` when the tail starts by dividing the uint8 images by

@@ -81,13 +81,25 @@ def decode_resized_crop(
     Returns:
         uint8 tensor of shape ``(3, height, width)``, RGB.
     """
+    box: Box | None = None
+
+    def chosen(width: int, height: int) -> Box:
+        # Chosen once (it may draw random numbers), whichever decoder ends up using it.
+        nonlocal box
+        if box is None:
+            box = choose_box(width, height)
+        return box
+
     try:
         if use_roi and _is_jpeg(data) and roi_decoder_available():
             width, height = _jpeg.jpeg_size(data)
-            x, y, w, h = choose_box(width, height)
-            window, _ = _jpeg.decode_crop(data, x, y, w, h, *size)
-            return resize(window, size, mode)
-        return _pillow_resized_crop(data, choose_box, size, mode)
+            x, y, w, h = chosen(width, height)
+            try:
+                window, _ = _jpeg.decode_crop(data, x, y, w, h, *size)
+                return resize(window, size, mode)
+            except Exception:
+                pass  # CMYK or YCCK (Pillow converts them, as torchvision does), or broken
+        return _pillow_resized_crop(data, chosen, size, mode)
     except DecodeError:
         raise
     except Exception as error:
