@@ -303,6 +303,8 @@ def test_a_second_resize_is_the_users_own(root):
 @pytest.mark.parametrize(("make", "named"), [
     (lambda r: datasets.ImageFolder(r, transform=T.Compose([])), "empty"),
     (lambda r: datasets.ImageFolder(r, transform=T.Compose([
+        T.Resize(100, max_size=90), T.ToTensor()])), "max_size=90"),
+    (lambda r: datasets.ImageFolder(r, transform=T.Compose([
         T.ColorJitter(0.4), T.RandomResizedCrop(64), T.ToTensor()])), "ColorJitter"),
     (lambda r: datasets.ImageFolder(r, transform=T.Compose([
         T.Lambda(lambda x: x), T.ToTensor()])), "Lambda"),

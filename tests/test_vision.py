@@ -258,3 +258,10 @@ def test_a_cmyk_jpeg_decodes_as_pillow_converts_it_and_draws_its_box_once():
     assert len(calls) == 1
     pillow = decode_resized_crop(encoded.getvalue(), choose_box, (20, 16), use_roi=False)
     assert torch.equal(with_window, pillow)
+
+
+def test_an_empty_class_folder_is_refused_as_torchvision_does(tmp_path):
+    root = make_imagefolder(tmp_path / "images", images=4, classes=2)
+    (root / "class_empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="Found no valid file for the classes class_empty"):
+        ImageFolder(root)

@@ -152,6 +152,12 @@ def _geometry_problem(transform: Any, name: str) -> str | None:
             return f"{name}(antialias=False)"
     if name == "Resize" and transform.size is None:
         return "Resize(size=None)"
+    if name == "Resize" and getattr(transform, "max_size", None) is not None:
+        # torchvision refuses these on every image; the user's object will say so.
+        size = transform.size
+        shorter = size if isinstance(size, int) else size[0] if len(size) == 1 else None
+        if shorter is None or transform.max_size <= shorter:
+            return f"Resize(size={size}, max_size={transform.max_size})"
     return None
 
 

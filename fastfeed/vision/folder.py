@@ -68,9 +68,11 @@ class ImageFolder(Dataset):
                 for file in sorted(files):
                     if file.lower().endswith(IMG_EXTENSIONS):
                         self.samples.append((os.path.join(folder, file), self.class_to_idx[name]))
-        if not self.samples:
-            raise FileNotFoundError(f"ImageFolder: no {'/'.join(IMG_EXTENSIONS)} files under "
-                                    f"{self.root}")
+        empty = set(self.classes) - {self.classes[target] for _, target in self.samples}
+        if empty:  # as torchvision's ImageFolder refuses them
+            raise FileNotFoundError(f"Found no valid file for the classes "
+                                    f"{', '.join(sorted(empty))}. Supported extensions are: "
+                                    f"{', '.join(IMG_EXTENSIONS)}")
         self.targets = [target for _, target in self.samples]
 
     def __len__(self) -> int:
