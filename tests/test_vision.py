@@ -265,3 +265,31 @@ def test_an_empty_class_folder_is_refused_as_torchvision_does(tmp_path):
     (root / "class_empty").mkdir()
     with pytest.raises(FileNotFoundError, match="Found no valid file for the classes class_empty"):
         ImageFolder(root)
+
+
+@pytest.mark.parametrize("load_truncated", [False, True])
+def test_a_truncated_jpeg_is_refused_or_loaded_as_pillow_does(load_truncated, monkeypatch):
+    # The window decoder never reads below the window: a file cut below it must still be
+    # refused, as Pillow (and torchvision) refuse it, or loaded when Pillow is told to.
+    from PIL import ImageFile
+
+    from fastfeed.vision.decode import DecodeError, decode_resized_crop
+
+    monkeypatch.setattr(ImageFile, "LOAD_TRUNCATED_IMAGES", load_truncated)
+    rgb = np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)
+    encoded = io.BytesIO()
+    Image.fromarray(rgb).save(encoded, format="JPEG", quality=95)
+    data = encoded.getvalue()
+    cut = data[: len(data) * 2 // 3]
+
+    def top_rows(width, height):  # above the cut: the window decoder alone would load it
+        return 0, 0, width, 8
+
+    def whole(width, height):  # across the cut: the window decoder alone would refuse it
+        return 0, 0, width, height
+
+    if load_truncated:
+        assert decode_resized_crop(cut, whole, (16, 16)).shape == (3, 16, 16)
+    else:
+        with pytest.raises(DecodeError, match="truncated"):
+            decode_resized_crop(cut, top_rows, (16, 4))

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image
+from PIL import Image, ImageFile
 
 try:
     from fastfeed import _jpeg  # type: ignore[attr-defined]
@@ -47,6 +47,15 @@ def roi_decoder_available() -> bool:
 
 def _is_jpeg(data: bytes) -> bool:
     return data[:2] == _JPEG_MAGIC
+
+
+def _window_decodable(data: bytes) -> bool:
+    """Whether the window decoder may take ``data``: a JPEG that ends (its end-of-image
+    marker, before any zero padding), and Pillow not told to load truncated images. The
+    window decoder never reads the rows below the window, so it would load a truncated file
+    that Pillow (and torchvision) refuse, or refuse one Pillow is told to load."""
+    return (_is_jpeg(data) and data[-64:].rstrip(b"\x00").endswith(b"\xff\xd9")
+            and not ImageFile.LOAD_TRUNCATED_IMAGES)
 
 
 def image_size(data: bytes, path: str | Path = "<bytes>") -> tuple[int, int]:
@@ -91,7 +100,7 @@ def decode_resized_crop(
         return box
 
     try:
-        if use_roi and _is_jpeg(data) and roi_decoder_available():
+        if use_roi and _window_decodable(data) and roi_decoder_available():
             width, height = _jpeg.jpeg_size(data)
             x, y, w, h = chosen(width, height)
             try:
