@@ -642,3 +642,27 @@ def test_torchvision_training_example_runs(tmp_path):
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     assert "epoch 0: loss" in out.stdout and "samples/s" in out.stdout
+
+
+def test_sharp_images_stay_close_to_the_users_pipeline(tmp_path):
+    # Sharp edges show what a coarse DCT scale loses (the tests' other images are smooth):
+    # decoding the window at twice the output size keeps it close to Pillow's full decode.
+    rng = np.random.default_rng(0)
+    for label in ("a", "b"):
+        (tmp_path / label).mkdir()
+        for i in range(3):
+            blocks = rng.integers(0, 256, (60, 80, 3), dtype=np.uint8)
+            sharp = Image.fromarray(blocks).resize((480, 360), Image.Resampling.NEAREST)
+            sharp.save(tmp_path / label / f"{i}.jpg", quality=95)
+    stock = datasets.ImageFolder(str(tmp_path), transform=T.Compose([
+        T.RandomResizedCrop(64), T.PILToTensor()]))
+    fast = accelerate(stock)
+    differences = []
+    for seed in range(10):
+        for index in range(len(stock)):
+            torch.manual_seed(seed * 100 + index)
+            expected, _ = stock[index]
+            torch.manual_seed(seed * 100 + index)
+            got, _ = fast[index]
+            differences.append((expected.float() - got.float()).abs().mean().item())
+    assert np.mean(differences) < 4.0, np.mean(differences)  # 10.8 at a 1x margin

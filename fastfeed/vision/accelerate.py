@@ -57,6 +57,12 @@ _TIMM_RRC = "timm.RandomResizedCropAndInterpolation"
 _CROPS = ("RandomResizedCrop", _TIMM_RRC)
 _GEOMETRY = (*_CROPS, "Resize", "CenterCrop", "RandomHorizontalFlip")
 _RESIZES = (*_CROPS, "Resize")
+# The reduced DCT scale keeps the decoded window at twice the output size, not once: at 1x,
+# RandomResizedCrop(224) of sharp photos differed from the user's Pillow pipeline by 0.51 grey
+# levels on average (13 % of images above 2, single pixels by 105); at 2x by 0.02 (the worst
+# image 0.21), with no loss of speed measured on ImageNet-sized JPEGs (2000 of them, 2 workers:
+# 2,360-2,393 images/s at 1x, 2,393-2,452 at 2x).
+_DCT_MARGIN = 2
 # Conversions from a PIL image, and what each gives for the equivalent uint8 CHW tensor.
 _TO_FLOAT = ("ToTensor", "timm.MaybeToTensor")  # float in [0, 1]
 _TO_UINT8 = ("PILToTensor", "timm.MaybePILToTensor")
@@ -410,7 +416,7 @@ class FusedTransform:
         box = window.source_box(width, height)
         image = decode_resized_crop(encoded.data, lambda _w, _h: box,
                                     (window.width, window.height), encoded.path,
-                                    mode=window.mode)
+                                    mode=window.mode, dct_margin=_DCT_MARGIN)
         if window.flipped:
             image = image.flip(-1)
         if self.defer_tail:

@@ -76,6 +76,7 @@ def decode_resized_crop(
     path: str | Path = "<bytes>",
     use_roi: bool = True,
     mode: str = "bilinear",
+    dct_margin: int = 1,
 ) -> torch.Tensor:
     """Decode the box ``choose_box(width, height)`` of an image, resized to ``size``.
 
@@ -86,6 +87,9 @@ def decode_resized_crop(
         path: named in errors.
         use_roi: allow the libjpeg-turbo window decoder (else Pillow only).
         mode: ``"bilinear"`` or ``"bicubic"`` (antialiased either way, as Pillow resizes).
+        dct_margin: a JPEG is decoded at the coarsest DCT scale that keeps the window at least
+            ``dct_margin`` times ``size``: larger is closer to a full decode, and slower on
+            large images.
 
     Returns:
         uint8 tensor of shape ``(3, height, width)``, RGB.
@@ -104,11 +108,12 @@ def decode_resized_crop(
             width, height = _jpeg.jpeg_size(data)
             x, y, w, h = chosen(width, height)
             try:
-                window, _ = _jpeg.decode_crop(data, x, y, w, h, *size)
+                window, _ = _jpeg.decode_crop(data, x, y, w, h, dct_margin * size[0],
+                                              dct_margin * size[1])
                 return resize(window, size, mode)
             except Exception:
                 pass  # CMYK or YCCK (Pillow converts them, as torchvision does), or broken
-        return _pillow_resized_crop(data, chosen, size, mode)
+        return _pillow_resized_crop(data, chosen, size, mode, dct_margin)
     except DecodeError:
         raise
     except Exception as error:
@@ -132,13 +137,14 @@ def resize(image: np.ndarray, size: tuple[int, int], mode: str = "bilinear") -> 
 
 
 def _pillow_resized_crop(data: bytes, choose_box: Callable[[int, int], Box],
-                         size: tuple[int, int], mode: str) -> torch.Tensor:
+                         size: tuple[int, int], mode: str, dct_margin: int) -> torch.Tensor:
     with Image.open(io.BytesIO(data)) as image:
         width, height = image.size
         x, y, w, h = choose_box(width, height)
         if image.format == "JPEG":
-            # Ask for the largest DCT reduction that keeps the *window* at least ``size``.
-            image.draft("RGB", (max(1, width * size[0] // w), max(1, height * size[1] // h)))
+            # The largest DCT reduction that keeps the *window* at dct_margin x ``size``.
+            image.draft("RGB", (max(1, width * dct_margin * size[0] // w),
+                                max(1, height * dct_margin * size[1] // h)))
         scale_x, scale_y = image.size[0] / width, image.size[1] / height
         rgb = np.array(image.convert("RGB"))  # writable: torch.from_numpy warns otherwise
     left, top = int(x * scale_x), int(y * scale_y)
