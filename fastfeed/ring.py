@@ -406,7 +406,9 @@ class WorkerSlots:
     def arena(self, slot_id: int | None) -> Arena:
         """Where a task's batch goes: its ring slot; without one, a private slot as large as
         the largest batch so far; for the first batch, a counting arena (the codec then
-        sizes a private slot from the collated batch)."""
+        sizes a private slot from the collated batch). Slots added or dropped since the last
+        task are applied first."""
+        self.sync()
         if slot_id is not None:
             return Arena(slot_id, self.buffer(slot_id))
         if self._largest_batch:

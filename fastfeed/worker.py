@@ -164,8 +164,10 @@ def _produce(config: WorkerConfig, fetcher: Fetcher, index: Any,
         batch = config.collate_fn.collate_into(samples, arena.empty_or_new)
     else:
         batch = config.collate_fn(samples)
-    if arena is not None:
+    if slots is not None:
+        assert arena is not None
         batch = encode(batch, arena)
+        slots.note_required(batch.required)
     return Produced(batch, fetched - start, time.perf_counter() - fetched, dataset_state,
                     skipped)
 
@@ -223,11 +225,7 @@ def worker_loop(
                 result = init_error
             else:
                 try:
-                    if slots is not None:
-                        slots.sync()
                     result = _produce(config, fetcher, index, slots, slot_id)
-                    if slots is not None:
-                        slots.note_required(result.batch.required)
                 except StopIteration:
                     if not config.iterable:
                         result = ExceptionWrapper(where=where)
