@@ -87,3 +87,13 @@ def test_short_epochs_compares_short_with_long_in_one_run(tmp_path):
     assert "| fastfeed-2w | short |" in out.stdout and "of the long ratio" in out.stdout
     rates = json.loads((tmp_path / "s.json").read_text())["rates"]
     assert set(rates) == {"stock@short", "fastfeed-2w@short", "stock@long", "fastfeed-2w@long"}
+
+
+@pytest.mark.clients
+def test_accelerate_pixels_tabulates_each_size(tmp_path):
+    pytest.importorskip("torchvision")
+    from fastfeed.vision.synthetic import make_imagefolder
+
+    folder = make_imagefolder(tmp_path / "imgs", images=4, classes=1)
+    out = run("accelerate_pixels.py", "--data", str(folder), "--sizes", "32,16", "--seeds", "2")
+    assert "| 32 |" in out and "| 16 |" in out
