@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 from fastfeed._proc import available_cpus, available_memory, resident_memory
 
-__all__ = ["CpuMeter", "Window", "WorkerSleepMeter", "WorkerTuner", "available_cpus",
-           "initial_workers"]
+__all__ = ["CpuMeter", "TuningWindows", "Window", "WorkerSleepMeter", "WorkerTuner",
+           "available_cpus", "initial_workers"]
 
 # A worker is budgeted at the main process's RSS (it is a fork of it) and at least this much.
 _MIN_WORKER_BYTES = 256 << 20
@@ -249,3 +249,45 @@ class WorkerTuner:
         if w.worker_sleep is None or w.worker_sleep >= 1.0:
             return self.maximum
         return max(self.cores, int(self.cores / (1 - w.worker_sleep)))
+
+
+# A window closes after this many batches or this many seconds (with at least _MIN_BATCHES),
+# so that short epochs and the first seconds of a run are tuned too.
+_WINDOW_BATCHES = 20
+_WINDOW_S = 0.5
+_MIN_BATCHES = 3
+
+
+class TuningWindows:
+    """Cuts a pool's deliveries into :class:`Window` s and feeds each to the tuner.
+
+    Args:
+        tuner: decides the worker count.
+        worker_tasks: the kernel tasks of the workers that take tasks, read now so that the
+            first window is measured too.
+    """
+
+    def __init__(self, tuner: WorkerTuner, worker_tasks: list[int], waited: float) -> None:
+        self.tuner = tuner
+        self._cpu = CpuMeter()
+        self._sleep = WorkerSleepMeter(worker_tasks)
+        self._start, self._start_waited = time.perf_counter(), waited
+        self._batches = 0
+
+    def delivered(self, waited: float, worker_tasks: list[int]) -> int | None:
+        """Count one delivered batch (``waited``: the consumer's total wait so far); when a
+        window closes, return the worker count the tuner wants."""
+        self._batches += 1
+        now = time.perf_counter()
+        elapsed = now - self._start
+        long_enough = self._batches >= _MIN_BATCHES and elapsed >= _WINDOW_S
+        if self._batches < _WINDOW_BATCHES and not long_enough:
+            return None
+        window_waited = waited - self._start_waited
+        batches, self._batches = self._batches, 0
+        self._start, self._start_waited = now, waited
+        if elapsed <= 0:
+            return None
+        return self.tuner.observe(Window(batches / elapsed, min(1.0, window_waited / elapsed),
+                                         self._cpu.idle_cores(),
+                                         self._sleep.sleep_fraction(worker_tasks)))

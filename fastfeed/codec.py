@@ -12,28 +12,17 @@ from __future__ import annotations
 
 import io
 import pickle
-from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Literal
 
 import numpy as np
 import torch
 
-from fastfeed.ring import Arena
+from fastfeed.protocol import Encoded
+from fastfeed.ring.arena import Arena
+from fastfeed.ring.slots import Lease
 
-__all__ = ["Encoded", "decode", "encode"]
-
-
-@dataclass(frozen=True)
-class Encoded:
-    """A batch as it crosses from a worker: its slot, the pickled structure, its byte need,
-    and, for a task sent without a slot, a handle on the private slot the worker wrote it to
-    (:meth:`fastfeed.ring.Arena.hand_over`)."""
-
-    slot_id: int | None
-    payload: bytes
-    required: int
-    private_slot: Any = None
+__all__ = ["decode", "encode"]
 
 
 def _slot_eligible_tensor(obj: Any) -> bool:
@@ -225,7 +214,8 @@ class _SlotUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"unknown fastfeed persistent id {kind!r}")
 
 
-def decode(message: Encoded, lease: np.ndarray | None) -> Any:
-    """Main side: rebuild the batch; its arrays are views of ``lease``, the slot's memory
-    (see :meth:`fastfeed.ring.SlotRing.lease`), which they keep alive."""
-    return _SlotUnpickler(io.BytesIO(message.payload), lease).load()
+def decode(message: Encoded, lease: Lease | None) -> Any:
+    """Main side: rebuild the batch; its arrays are views of the lease's memory (see
+    :meth:`fastfeed.ring.SlotRing.lease`), which they keep alive."""
+    memory = None if lease is None else lease.memory
+    return _SlotUnpickler(io.BytesIO(message.payload), memory).load()

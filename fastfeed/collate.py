@@ -1,24 +1,50 @@
-"""``default_collate`` that stacks straight into a ring slot.
+"""Collating into a ring slot: one protocol, whatever the ``collate_fn``.
 
-The structure of the result is torch's own (``collate_with`` reuses torch's walker), so a batch
-collated here equals ``default_collate``'s bit for bit; only where the stacked tensors live
-differs. Tensors that cannot take the fast path (mixed shapes or dtypes, subclasses, autograd
-leaves, nested or sparse layouts) go to torch's ``collate_tensor_fn``, which raises torch's errors.
+A worker with a slot collates with ``collate_into(samples, empty)``, where ``empty(shape,
+dtype)`` returns a tensor in the slot (or an ordinary one when the slot is full). Three kinds
+of ``collate_fn`` meet it:
+
+* ``default_collate``: :func:`default_collate_into`, torch's own structure walk with the
+  tensor stacking done into ``empty``'s memory, so a batch equals ``default_collate``'s bit
+  for bit; only where the stacked tensors live differs. Tensors that cannot take the fast
+  path (mixed shapes or dtypes, subclasses, autograd leaves, nested or sparse layouts) go to
+  torch's ``collate_tensor_fn``, which raises torch's errors.
+* a *slot-aware* collate, an object with a ``collate_into`` method of that signature (the
+  collates of the vision and Ultralytics integrations);
+* any other callable, which allocates its own memory; the codec copies its tensors into the
+  slot.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from fastfeed._copy import stack_into
-from fastfeed._torch_compat import collate_tensor_fn, collate_with
-from fastfeed.ring import Arena
+from fastfeed._torch_compat import collate_tensor_fn, collate_with, default_collate
 
-__all__ = ["collate_into", "stackable"]
+__all__ = ["CollateInto", "Empty", "SlotCollate", "as_collate_into", "default_collate_into",
+           "stackable", "torch_empty"]
+
+Empty = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
+CollateInto = Callable[[list, Empty], Any]
+
+
+@runtime_checkable
+class SlotCollate(Protocol):
+    """A ``collate_fn`` that can allocate its output tensors with ``empty``."""
+
+    def __call__(self, samples: list) -> Any: ...
+
+    def collate_into(self, samples: list, empty: Empty) -> Any: ...
+
+
+def torch_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Ordinary memory: what a slot-aware collate allocates when called plainly."""
+    return torch.empty(shape, dtype=dtype)
 
 
 def stackable(samples: Sequence[Any]) -> bool:
@@ -37,21 +63,28 @@ def stackable(samples: Sequence[Any]) -> bool:
     )
 
 
-def _stack_into_arena(
-    arena: Arena, samples: Sequence[torch.Tensor], *, collate_fn_map: Any = None
-) -> torch.Tensor:
+def _stack_into(empty: Empty, samples: Sequence[torch.Tensor], *,
+                collate_fn_map: Any = None) -> torch.Tensor:
     if stackable(samples):
-        shape, dtype = (len(samples), *samples[0].shape), samples[0].dtype
-        # Without a slot (a worker's first batch), private memory: the codec moves the batch
-        # into a slot of the worker's own, which the ring keeps. torch's collate would put it
-        # in shared memory that dies with the batch.
-        out = torch.empty(shape, dtype=dtype) if arena.buffer is None else arena.empty(shape, dtype)
-        if out is not None:
-            stack_into(out, samples)
-            return out
+        out = empty((len(samples), *samples[0].shape), samples[0].dtype)
+        stack_into(out, samples)
+        return out
     return collate_tensor_fn(samples, collate_fn_map=collate_fn_map)
 
 
-def collate_into(samples: list, arena: Arena) -> Any:
-    """Collate ``samples`` exactly as ``default_collate`` would, with tensors in ``arena``."""
-    return collate_with(samples, partial(_stack_into_arena, arena))
+def default_collate_into(samples: list, empty: Empty) -> Any:
+    """Collate ``samples`` exactly as ``default_collate`` would, stacking into ``empty``."""
+    return collate_with(samples, partial(_stack_into, empty))
+
+
+def _ignore_empty(collate_fn: Callable[[list], Any], samples: list, empty: Empty) -> Any:
+    return collate_fn(samples)
+
+
+def as_collate_into(collate_fn: Callable[[list], Any]) -> CollateInto:
+    """``collate_fn`` as a function of ``(samples, empty)`` (see the module's docstring)."""
+    if collate_fn is default_collate:
+        return default_collate_into
+    if isinstance(collate_fn, SlotCollate):
+        return collate_fn.collate_into
+    return partial(_ignore_empty, collate_fn)

@@ -13,21 +13,23 @@ from __future__ import annotations
 import os
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
+from fastfeed.iterators.base import HostBatch
 from fastfeed.placement import local_cuda_index
-from fastfeed.ring import SlotRing
 from fastfeed.telemetry import Telemetry, batch_length
 from fastfeed.tree import map_arrays, map_tensors
 
 __all__ = [
     "DeviceIterator",
     "HostCopier",
+    "HostIterator",
     "StreamCopier",
+    "TorchIteratorHost",
     "check_device",
     "pinned_source",
     "resolve_device",
@@ -106,9 +108,9 @@ class StreamCopier:
     * Every copy reads page-locked memory (:func:`pinned_source`), so it is asynchronous.
     * Numpy leaves are copied out of the slot on the host: the user may copy them, unfenced.
     * The copy and ``gpu_transform`` run on ``stream``; an event recorded after them marks
-      the end of everything that reads the host batch. The caller fences the ring slots it
-      read with that event: they are not reused before it completes, whatever happens to the
-      host batch (DESIGN.md invariant 2).
+      the end of everything that reads the host batch. The caller fences the batch's ring
+      slot (its lease) with that event: the slot is not reused before it completes, whatever
+      happens to the host batch (DESIGN.md invariant 2).
     * The consumer's current stream waits on the event, and every device tensor is marked
       with ``record_stream`` so that the caching allocator does not reuse its memory while
       the consumer's stream may still read it.
@@ -167,18 +169,36 @@ def _timed_copy(host_batch: Any, move: Callable[[torch.Tensor], torch.Tensor],
     return batch
 
 
+class HostIterator(Protocol):
+    """What the device stage needs of the iterator it wraps (see
+    :class:`fastfeed.iterators.base.BaseIterator`)."""
+
+    base_seed: int
+    device_tail: Callable[[Any], Any] | None
+
+    def next_host_batch(self) -> HostBatch: ...
+
+    def position(self) -> Any: ...
+
+    def state_at(self, position: Any) -> Any: ...
+
+    def close(self) -> None: ...
+
+    def __len__(self) -> int: ...
+
+
 class DeviceIterator:
     """Wraps a host iterator; yields batches already on the device, ``depth`` batches ahead.
 
-    The host batch is dropped as soon as its copy is queued: the ring slots the copy reads
-    are fenced with the copy's event (``host.ring``), and memory from torch's pinned pool is
-    guarded by torch. So neither an abandoned iterator nor a slow consumer can let a slot be
-    rewritten under a copy still queued.
+    The host batch is dropped as soon as its copy is queued: the slot the copy reads is
+    fenced with the copy's event through the batch's lease, and memory from torch's pinned
+    pool is guarded by torch. So neither an abandoned iterator nor a slow consumer can let a
+    slot be rewritten under a copy still queued.
     """
 
     def __init__(
         self,
-        host: Iterator[Any],
+        host: HostIterator,
         copier: Copier,
         depth: int,
         transform: Callable[[Any], Any] | None,
@@ -189,57 +209,76 @@ class DeviceIterator:
         self._telemetry = telemetry or Telemetry()
         self._depth = depth
         self._transform = transform
-        self._ring: SlotRing | None = getattr(host, "ring", None)
-        # (device batch, event, the host's snapshot after handing it over)
+        # (device batch, event, where the host stood after handing its batch over)
         self._ready: deque[tuple[Any, Any, Any]] = deque()
         self._exhausted = False
         # Batches copied ahead are not delivered yet: resume from the last delivered one.
-        self._delivered_state = self._host_state()
+        self._delivered_at = host.position()
 
     def __iter__(self) -> DeviceIterator:
         return self
 
     def __len__(self) -> int:
-        return len(self._host)  # type: ignore[arg-type]
+        return len(self._host)
 
     def state_dict(self) -> Any:
         """The host iterator's snapshot as of the last batch this iterator delivered."""
-        return self._delivered_state
-
-    def _host_state(self) -> Any:
-        # torch's own iterators (used for DataPipes) keep no snapshot.
-        return self._host.state_dict() if hasattr(self._host, "state_dict") else None
+        return self._host.state_at(self._delivered_at)
 
     def close(self) -> None:
         """Drop the batches copied ahead, then close the host iterator (the fences keep the
         slots those copies read until they complete)."""
         self._ready.clear()
         self._exhausted = True
-        if hasattr(self._host, "close"):
-            self._host.close()
+        self._host.close()
 
     def _fill(self) -> None:
         while not self._exhausted and len(self._ready) < self._depth:
             try:
-                host_batch = next(self._host)
+                host_batch, lease = self._host.next_host_batch()
             except StopIteration:
                 self._exhausted = True
                 return
             batch, event, read = self._copier.copy(host_batch, self._transform, self._telemetry)
-            if event is not None and self._ring is not None:
-                for tensor in read:
-                    self._ring.fence(tensor.data_ptr(), event)
-            self._ready.append((batch, event, self._host_state()))
+            if event is not None and read and lease is not None:
+                lease.fence(event)
+            self._ready.append((batch, event, self._host.position()))
 
     def __next__(self) -> Any:
         requested = time.perf_counter()
         self._fill()
         if not self._ready:
-            self._delivered_state = self._host_state()
+            self._delivered_at = self._host.position()
             raise StopIteration
-        batch, event, self._delivered_state = self._ready.popleft()
+        batch, event, self._delivered_at = self._ready.popleft()
         if event is not None:
             self._copier.hand_over(batch, event)
         self._telemetry.delivered(requested, batch_length(batch, auto_collation=True))
         self._fill()  # queue the next copies now, so that they overlap the consumer's step
         return batch
+
+
+class TorchIteratorHost:
+    """torch's own iterators (DataPipes run on them) as a host: batches without leases, and
+    no snapshots."""
+
+    device_tail = None
+
+    def __init__(self, iterator: Any) -> None:
+        self._iterator = iterator
+        self.base_seed: int = iterator._base_seed
+
+    def next_host_batch(self) -> HostBatch:
+        return HostBatch(next(self._iterator), None)
+
+    def position(self) -> None:
+        return None
+
+    def state_at(self, position: Any) -> Any:
+        raise TypeError("DataPipe datasets run on torch's iterators and cannot be resumed")
+
+    def close(self) -> None:
+        pass
+
+    def __len__(self) -> int:
+        return len(self._iterator)

@@ -2,32 +2,38 @@
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Callable, Iterable
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from fastfeed._torch_compat import default_collate, is_datapipe, is_iterable_dataset
+from fastfeed._torch_compat import is_datapipe, is_iterable_dataset
 from fastfeed.autotune import WorkerTuner, initial_workers
 from fastfeed.device import (
     Copier,
     DeviceIterator,
     HostCopier,
     StreamCopier,
+    TorchIteratorHost,
     check_device,
     resolve_device,
 )
-from fastfeed.iterators import IteratorSetup, Learned, SingleProcessIterator, WorkerPoolIterator
+from fastfeed.iterators import (
+    BaseIterator,
+    IteratorSetup,
+    Learned,
+    SingleProcessIterator,
+    WorkerPoolIterator,
+)
 from fastfeed.pinning import Pinner
 from fastfeed.resume import EpochStart, LoaderState, RandomSources
 from fastfeed.ring import SlotRing, ring_supported
+from fastfeed.tail import batch_tail_split
 from fastfeed.telemetry import GpuSampler, LoaderStats, Telemetry
-
-if TYPE_CHECKING:
-    from fastfeed.vision.accelerate import BatchTail
 
 __all__ = ["FastLoader"]
 
@@ -302,20 +308,6 @@ class FastLoader(DataLoader):
             self._ring = SlotRing(max_slots=0, pin=pin)
         return self._ring
 
-    def _batch_tail_split(self) -> tuple[Dataset, BatchTail] | None:
-        """``(dataset, tail)`` when the dataset comes from :func:`fastfeed.vision.accelerate`
-        and its tail (``ToTensor``, ``Normalize``, ...) can run on whole batches: the workers
-        then read ``dataset``, whose items stop at uint8, and ``tail`` finishes each batch,
-        on the device when there is one (a quarter of the bytes cross to it), else in the
-        workers, straight into the ring slot. The values are those of the per-sample
-        pipeline. Only with torch's default collate, which the tail knows the output of."""
-        if (self.collate_fn is not default_collate or not self._auto_collation
-                or getattr(self.dataset, "transform", None) is None):
-            return None
-        from fastfeed.vision.accelerate import deferred_for_device
-
-        return deferred_for_device(self.dataset)
-
     def _iterator_setup(self) -> IteratorSetup:
         """Everything fastfeed decides for the next iterator (see ``iterators/setup.py``)."""
         # Replicas of an IterableDataset shard by worker count: keep it fixed.
@@ -325,16 +317,7 @@ class FastLoader(DataLoader):
             tuner.restart(self.num_workers)
             self._learned.tuner = tuner
         worker_mode = self._worker_mode_for_next_iterator()
-        dataset = collate_fn = device_tail = None
-        split = self._batch_tail_split()
-        if split is not None:
-            from fastfeed.vision.accelerate import TailCollate
-
-            dataset, tail = split
-            if self.device is None:
-                collate_fn = TailCollate(tail)
-            else:
-                device_tail = tail
+        split = batch_tail_split(self.dataset, self.collate_fn, self._auto_collation)
         return IteratorSetup(
             telemetry=self._telemetry,
             learned=self._learned,
@@ -346,9 +329,10 @@ class FastLoader(DataLoader):
             held_by_prefetch=0 if self.device is None else self.prefetch_depth + 1,
             ring_slots=self.ring_slots,
             deterministic=self.deterministic,
-            dataset=dataset,
-            collate_fn=collate_fn,
-            device_tail=device_tail,
+            record_delivery=self.device is None,
+            dataset=None if split is None else split.dataset,
+            collate_fn=split.collate if split is not None and self.device is None else None,
+            device_tail=split.tail if split is not None and self.device is not None else None,
         )
 
     def state_dict(self) -> dict[str, Any]:
@@ -384,6 +368,11 @@ class FastLoader(DataLoader):
 
     def __iter__(self) -> Any:
         self._sync_tuned_workers()
+        if self.persistent_workers and getattr(self._iterator, "closed", False):
+            warnings.warn("fastfeed: the persistent workers were shut down (a worker exited, "
+                          "or the iterator was closed); starting new workers for this epoch",
+                          RuntimeWarning, stacklevel=2)
+            self._iterator = None
         if self.device is not None and self._target is None:
             self._target = resolve_device(self.device)
         iterator = self._wrap(super().__iter__())
@@ -403,10 +392,11 @@ class FastLoader(DataLoader):
             weakref.finalize(self, self._gpu_sampler.stop)
         if self._target is None:
             return host
-        host.records_delivery = False  # the device iterator measures the consumer's wait
+        if not isinstance(host, BaseIterator):
+            host = TorchIteratorHost(host)
         if self.gpu_transform is not None and hasattr(self.gpu_transform, "seed"):
             # Seeded from the base seed the iterator already drew: no extra generator draws.
-            self.gpu_transform.seed(host._base_seed)
+            self.gpu_transform.seed(host.base_seed)
         copier: Copier = HostCopier(self._target)
         if self._copies_to_cuda:
             if self._copy_stream is None:
@@ -415,7 +405,7 @@ class FastLoader(DataLoader):
         transform = self.gpu_transform
         # The tail of what the workers make (persistent workers keep the first iterator's),
         # first, on the copy stream.
-        tail = getattr(host, "device_tail", None)
+        tail = host.device_tail
         if tail is not None:
             transform = _chain(tail, transform)
         return DeviceIterator(host, copier, self.prefetch_depth, transform, self._telemetry)

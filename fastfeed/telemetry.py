@@ -21,6 +21,7 @@ import torch
 
 from fastfeed.nvml import GpuSample, nvml_handle, nvml_status, sample_gpu
 from fastfeed.placement import nvml_device_for
+from fastfeed.protocol import Produced
 
 __all__ = ["GpuSampler", "LoaderStats", "Telemetry", "batch_length"]
 
@@ -231,8 +232,13 @@ class Telemetry:
         self.stage_s[stage] += seconds
         self.stage_batches[stage] += 1
 
-    def add_worker_busy(self, seconds: float) -> None:
-        self.worker_busy_s += seconds
+    def record_produced(self, produced: Produced, by_worker: bool = True) -> None:
+        """A worker's (or the main process's) timings and skips for one batch."""
+        self.skipped += produced.skipped
+        self.add_stage("fetch", produced.fetch_s)
+        self.add_stage("collate", produced.collate_s)
+        if by_worker:
+            self.worker_busy_s += produced.fetch_s + produced.collate_s
 
     def delivered(self, requested_at: float, batch_size: int) -> None:
         now = time.perf_counter()
@@ -252,11 +258,10 @@ class Telemetry:
     def _log_line(self) -> None:
         if self.describe is None:
             return
-        line = f"fastfeed: {self.describe()}"
         if logging.getLogger().hasHandlers():
-            logger.info(line)
+            logger.info(self.describe())  # the record names its logger, "fastfeed"
         else:
-            print(line, file=sys.stderr, flush=True)
+            print(f"fastfeed: {self.describe()}", file=sys.stderr, flush=True)
 
     @property
     def elapsed(self) -> float:

@@ -460,12 +460,12 @@ def test_tail_collate_writes_the_float_batch_into_the_slot(name, in_slot, root):
     samples = [deferred[i] for i in range(5)]
     expected = collate(samples)
     arena = Arena(0, torch.zeros(8 << 20, dtype=torch.uint8))
-    images, targets = collate.collate_into(samples, arena.empty_or_new)
+    images, targets = collate.collate_into(samples, arena.empty)
     assert arena.owns(images) == in_slot and torch.equal(images, expected[0])
     assert torch.equal(targets, expected[1]) and torch.equal(targets, default_collate(
         [s[1] for s in samples]))
     no_room = Arena(0, torch.zeros(1024, dtype=torch.uint8))
-    images, _ = collate.collate_into(samples, no_room.empty_or_new)
+    images, _ = collate.collate_into(samples, no_room.empty)
     assert not no_room.owns(images) and torch.equal(images, expected[0])
     assert pickle.loads(pickle.dumps(collate))._staging is None
 

@@ -56,7 +56,7 @@ def lazy_views(kind):
 def test_stack_into_and_collate_into_resolve_lazy_views(kind):
     from torch.utils.data import default_collate
 
-    from fastfeed.collate import collate_into
+    from fastfeed.collate import default_collate_into
     from fastfeed.ring import Arena
 
     samples = lazy_views(kind)
@@ -64,7 +64,7 @@ def test_stack_into_and_collate_into_resolve_lazy_views(kind):
     _copy.stack_into(out, samples)
     assert torch.equal(out, torch.stack(samples))
     arena = Arena(0, torch.empty(1 << 12, dtype=torch.uint8))
-    assert torch.equal(collate_into(samples, arena), default_collate(samples))
+    assert torch.equal(default_collate_into(samples, arena.empty), default_collate(samples))
 
 
 @pytest.mark.parametrize("threads", [1, 2, 4])

@@ -1,11 +1,14 @@
 """The fault-injection suite: bounded in time, and nothing left behind after each fault."""
 
+import os
 import random
 import threading
 
 import pytest
+from helpers import assert_same
 from procs import assert_no_leaks, child_pids, rss_kb, snapshot
 from sample_datasets import SlowDataset, TensorDataset
+from torch.utils.data import DataLoader
 
 from fastfeed import FastLoader
 
@@ -87,3 +90,33 @@ def _interrupt_main():
     import _thread
 
     _thread.interrupt_main()
+
+
+class DiesOnce(TensorDataset):
+    """A worker reading index 5 exits (as the OOM killer would end it) while ``marker``
+    exists; the marker goes with it, so the next epoch reads normally."""
+
+    def __init__(self, marker):
+        super().__init__()
+        self.marker = marker
+
+    def __getitem__(self, index):
+        if index == 5 and os.path.exists(self.marker):
+            os.unlink(self.marker)
+            os._exit(3)
+        return super().__getitem__(index)
+
+
+def test_a_dead_persistent_worker_is_replaced_for_the_next_epoch(tmp_path):
+    marker = tmp_path / "die"
+    marker.touch()
+    loader = FastLoader(DiesOnce(str(marker)), batch_size=4, num_workers=2,
+                        persistent_workers=True)
+    with pytest.raises(RuntimeError, match=r"worker \d \(pid \d+\) exited unexpectedly"):
+        list(loader)
+    with pytest.warns(RuntimeWarning, match="starting new workers"):
+        got = list(loader)
+    expected = list(DataLoader(DiesOnce(str(marker)), batch_size=4, num_workers=2))
+    assert_same(expected, got)
+    assert_same(expected, list(loader))  # and the new workers persist
+    del loader

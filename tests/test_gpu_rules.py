@@ -19,7 +19,7 @@ from helpers import assert_same
 from sample_datasets import TensorDataset
 from torch.utils.data import DataLoader
 
-import fastfeed.ring as ring_module
+import fastfeed.ring.slots as ring_module
 from fastfeed import FastLoader
 from fastfeed.device import DeviceIterator, StreamCopier, pinned_source
 from fastfeed.pinning import Pinner
@@ -75,7 +75,7 @@ def test_a_lease_returns_its_slot_only_when_the_last_view_dies():
     ring = SlotRing(1, slot_bytes=4096)
     ticket, _, _ = ring.acquire()
     lease = ring.lease(ticket)
-    view = torch.from_numpy(lease)[:16]
+    view = torch.from_numpy(lease.memory)[:16]
     del lease
     assert ring.acquire()[0] is None
     del view
@@ -112,7 +112,7 @@ def worker_slot(nbytes, value):
 def test_an_adopted_slot_is_leased_to_its_batch_then_handed_out():
     ring = SlotRing(2, slot_bytes=4096)
     lease, created = ring.adopt(worker_slot(4096, 7))
-    assert len(created) == 1 and (lease == 7).all()
+    assert len(created) == 1 and (lease.memory == 7).all()
     assert ring.occupancy == (1, 1)  # leased: not handed out while the batch lives
     assert ring.acquire()[0].slot_id != created[0].slot_id
     del lease
@@ -129,7 +129,7 @@ def test_a_slot_the_ring_cannot_keep_serves_its_batch_alone(why):
     before = ring.occupancy
     lease, created = ring.adopt(worker_slot(4096, 3))
     assert created == [] and ring.occupancy == before
-    assert (lease == 3).all()
+    assert (lease.memory == 3).all()
 
 
 class RefusingRuntime:
@@ -172,10 +172,10 @@ def test_a_slot_that_fails_adoption_closes_its_descriptor(monkeypatch, failure):
 
 def test_a_fenced_slot_is_not_reused_until_its_copy_completes():
     ring = SlotRing(1, slot_bytes=4096)
-    ticket, created, _ = ring.acquire()
+    ticket, _, _ = ring.acquire()
     lease = ring.lease(ticket)
     event = HeldEvent()
-    assert ring.fence(created[0].address + 100, event)
+    lease.fence(event)
     del lease
     assert ring.acquire()[0] is None  # the batch is gone, the copy is not
     event.complete()
@@ -184,9 +184,9 @@ def test_a_fenced_slot_is_not_reused_until_its_copy_completes():
 
 def test_closing_the_ring_waits_for_copies_still_reading_it():
     ring = SlotRing(1, slot_bytes=4096)
-    _, created, _ = ring.acquire()
+    lease = ring.lease(ring.acquire()[0])
     event = HeldEvent()
-    ring.fence(created[0].address, event)
+    lease.fence(event)
     ring.close()
     assert event.done
 

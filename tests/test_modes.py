@@ -74,6 +74,13 @@ def test_deterministic_samples_do_not_depend_on_the_worker():
 
     one, two = run(1), run(2)
     assert_same(one, two)
+    # In the main process too: the same produce step, the same per-sample seeds ...
+    torch.manual_seed(5)
+    before = torch.rand(3)
+    torch.manual_seed(5)
+    assert_same(run(0), two)
+    # ... and the training loop's own random stream is left as it was.
+    assert torch.equal(torch.rand(3), before)
     # ... while without it, the draws follow the worker that happens to read the sample.
     plain = [list(FastLoader(RandomAugmentDataset(), batch_size=4, num_workers=w,
                              generator=torch.Generator().manual_seed(1))) for w in (1, 2)]

@@ -156,6 +156,52 @@ def test_in_order_false_delivers_every_batch():
     assert_same(sorted(expected, key=key), sorted(got, key=key))
 
 
+@pytest.mark.parametrize("device", [None, "cpu"])
+def test_in_order_false_with_a_device_delivers_every_batch(device):
+    # The device stage notes where the epoch stands after each batch; that must not demand a
+    # snapshot, which in_order=False cannot give mid-epoch.
+    expected = [b for b in DataLoader(TensorDataset(), batch_size=3, num_workers=2)]
+    loader = FastLoader(TensorDataset(), batch_size=3, num_workers=2, in_order=False,
+                        device=device)
+    got = list(loader)
+    key = lambda batch: batch[1][0].item()  # noqa: E731
+    assert_same(sorted(expected, key=key), sorted(got, key=key))
+    iterator = iter(loader)
+    next(iterator)
+    with pytest.raises(RuntimeError, match="in_order=True"):
+        loader.state_dict()  # asked for, it still says why it cannot
+
+
+class DrawsInIter(torch.utils.data.Sampler):
+    """A batch sampler that draws its batches when iterated (bucketing samplers, torchvision's
+    GroupedBatchSampler pattern), and counts its epochs there."""
+
+    def __init__(self):
+        self.epochs = 0
+
+    def __len__(self):
+        return 2
+
+    def __iter__(self):
+        self.epochs += 1
+        order = torch.randperm(8).tolist()
+        return iter([order[:4], order[4:]])
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_batch_sampler_drawing_in_iter_is_iterated_as_torch_does(num_workers):
+    runs = {}
+    for cls in (DataLoader, FastLoader):
+        sampler = DrawsInIter()
+        torch.manual_seed(0)
+        batches = [b.tolist() for _ in range(2)
+                   for b in cls(list(range(8)), batch_sampler=sampler, num_workers=num_workers)]
+        runs[cls] = (batches, sampler.epochs, torch.rand(2))
+    (want, want_epochs, want_rng), (got, got_epochs, got_rng) = runs.values()
+    assert got == want and got_epochs == want_epochs
+    assert torch.equal(got_rng, want_rng)  # the global RNG was drawn from as often
+
+
 @pytest.mark.parametrize("ring_slots", [0, 1, None])
 def test_ring_size_does_not_change_results(ring_slots):
     fast = {"ring_slots": ring_slots}

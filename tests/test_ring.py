@@ -337,7 +337,7 @@ def test_one_ring_serves_non_persistent_epochs():
 
 
 def test_ring_refuses_slots_larger_than_memory(monkeypatch):
-    import fastfeed.ring as ring_module
+    import fastfeed.ring.slots as ring_module
 
     monkeypatch.setattr(ring_module, "available_memory", lambda: 1 << 16)
     with pytest.warns(RuntimeWarning, match="does not fit"):

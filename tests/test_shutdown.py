@@ -162,7 +162,7 @@ def test_tickets_return_only_once_no_worker_can_write(workers, released):
     ring only when every worker is gone; a worker that outlives terminate() keeps them."""
     from fastfeed.iterators.backends import ProcessBackend, WorkerHandle
 
-    handles = [WorkerHandle(worker_id=i, runner=w, index_queue=None, control=None)
+    handles = [WorkerHandle(worker_id=i, runner=w, task_queue=None, control=None)
                for i, w in enumerate(workers)]
     calls = []
     ProcessBackend._stop(handles, 0.0, lambda: calls.append("released"))

@@ -1,9 +1,11 @@
-"""FastLoader's own iterators: in-process, and a pool of worker processes feeding the ring."""
+"""FastLoader's own iterators: in the main process (``num_workers=0``), and a pool of workers
+(processes feeding the ring, or threads). Both hand batches to the loader, or to the device
+stage through the contract of :class:`BaseIterator`."""
 
-from fastfeed.iterators.base import BaseIterator
+from fastfeed.iterators.base import BaseIterator, HostBatch, Position
 from fastfeed.iterators.pool import WorkerPoolIterator
 from fastfeed.iterators.setup import IteratorSetup, Learned
 from fastfeed.iterators.single import SingleProcessIterator
 
-__all__ = ["BaseIterator", "IteratorSetup", "Learned", "SingleProcessIterator",
-           "WorkerPoolIterator"]
+__all__ = ["BaseIterator", "HostBatch", "IteratorSetup", "Learned", "Position",
+           "SingleProcessIterator", "WorkerPoolIterator"]

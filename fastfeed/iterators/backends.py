@@ -1,8 +1,9 @@
 """Where workers run: processes (the default; batches cross through the ring) or threads.
 
 A backend starts workers and owns what they share with the main process: the result queue,
-the done event and, for processes, each worker's index queue and control pipe. The pool
-iterator above it only dispatches tasks and orders results.
+the shutdown flag and, for processes, each worker's task queue and control pipe, over which
+it tells the worker of the ring's slots. The pool iterator above it only dispatches tasks and
+orders results.
 """
 
 from __future__ import annotations
@@ -15,12 +16,14 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from multiprocessing.reduction import send_handle
 from typing import Any
 
 import torch
 
-from fastfeed.ring import SlotRing, WorkerSlots
-from fastfeed.worker import WorkerConfig, worker_loop
+from fastfeed.protocol import SlotAdded, SlotDropped, Stop, WorkerConfig
+from fastfeed.ring import SlotRing
+from fastfeed.worker import worker_loop
 
 __all__ = ["ProcessBackend", "ThreadBackend", "WorkerHandle"]
 
@@ -35,7 +38,7 @@ ABANDONED_GRACE = 0.5
 class WorkerHandle:
     worker_id: int
     runner: Any  # multiprocessing.Process or threading.Thread
-    index_queue: Any
+    task_queue: Any
     control: Any = None  # the main side of a process worker's control pipe
 
     @property
@@ -84,36 +87,36 @@ class ProcessBackend:
         self.shutting_down = ctx.RawValue(ctypes.c_bool, False)
 
     def start(self, config: WorkerConfig, ring: SlotRing | None) -> WorkerHandle:
-        index_queue = self._ctx.Queue()
-        index_queue.cancel_join_thread()
+        task_queue = self._ctx.Queue()
+        task_queue.cancel_join_thread()
         # Without a ring (ring_slots=0), no control pipe: batches take torch's shared memory.
         control = worker_control = None
         if ring is not None:
             control, worker_control = self._ctx.Pipe(duplex=True)
         process = self._ctx.Process(
             target=worker_loop,
-            args=(config, index_queue, self.result_queue, self.shutting_down, worker_control),
+            args=(config, task_queue, self.result_queue, self.shutting_down, worker_control),
             daemon=True,
         )
-        handle = WorkerHandle(config.worker_id, process, index_queue, control)
+        handle = WorkerHandle(config.worker_id, process, task_queue, control)
         process.start()
         if ring is not None:
             assert control is not None and worker_control is not None
             worker_control.close()
             # A worker added late maps the slots that exist already.
             for slot_id, nbytes, fd in ring.fds():
-                WorkerSlots.announce(control, handle.pid, slot_id, nbytes, fd)
+                _send_slot(handle, slot_id, nbytes, fd)
         return handle
 
     def announce(self, handle: WorkerHandle, created: list, retired: list[int]) -> None:
+        """Tell a worker of the slots the ring created and dropped."""
         if handle.runner.exitcode is not None:
             return
         try:
             for slot_id in retired:
-                WorkerSlots.retire(handle.control, slot_id)
+                handle.control.send(SlotDropped(slot_id))
             for slot in created:
-                WorkerSlots.announce(handle.control, handle.pid, slot.slot_id, slot.nbytes,
-                                     slot.fd)
+                _send_slot(handle, slot.slot_id, slot.nbytes, slot.fd)
         except OSError:
             pass  # the worker died; the pool's liveness check reports it
 
@@ -127,7 +130,7 @@ class ProcessBackend:
         try:
             for handle in handles:
                 if handle.runner.exitcode is None:
-                    handle.index_queue.put(None)
+                    handle.task_queue.put(Stop())
         finally:
             if wait:
                 try:
@@ -158,8 +161,8 @@ class ProcessBackend:
 
     def _close(self, handles: list[WorkerHandle]) -> None:
         for handle in handles:
-            handle.index_queue.cancel_join_thread()
-            handle.index_queue.close()
+            handle.task_queue.cancel_join_thread()
+            handle.task_queue.close()
             if handle.control is not None:
                 handle.control.close()
         self.result_queue.cancel_join_thread()
@@ -182,15 +185,15 @@ class ThreadBackend:
         self.shutting_down = _Flag()
 
     def start(self, config: WorkerConfig, ring: SlotRing | None) -> WorkerHandle:
-        index_queue: queue.Queue = queue.Queue()
+        task_queue: queue.Queue = queue.Queue()
         thread = threading.Thread(
             target=worker_loop,
-            args=(config, index_queue, self.result_queue, self.shutting_down, None),
+            args=(config, task_queue, self.result_queue, self.shutting_down, None),
             name=f"fastfeed-worker-{config.worker_id}",
             daemon=True,
         )
         thread.start()
-        return WorkerHandle(config.worker_id, thread, index_queue)
+        return WorkerHandle(config.worker_id, thread, task_queue)
 
     def announce(self, handle: WorkerHandle, created: list, retired: list[int]) -> None:
         pass  # threads share the batch directly: no ring
@@ -200,7 +203,7 @@ class ThreadBackend:
         # Thread workers write no ring slot: ``then`` has nothing to wait for.
         self.shutting_down.value = True
         for handle in handles:
-            handle.index_queue.put(None)
+            handle.task_queue.put(Stop())
         if then is not None:
             then()
         if not wait:
@@ -210,6 +213,11 @@ class ThreadBackend:
             # A thread busy in a long __getitem__ cannot be stopped; it is a daemon and ends
             # with its task.
             handle.runner.join(timeout=max(0.0, deadline - time.monotonic()))
+
+
+def _send_slot(handle: WorkerHandle, slot_id: int, nbytes: int, fd: int) -> None:
+    handle.control.send(SlotAdded(slot_id, nbytes))
+    send_handle(handle.control, fd, handle.pid)
 
 
 def _exited(process: Any) -> bool:

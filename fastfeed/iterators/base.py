@@ -1,4 +1,5 @@
-"""What every FastLoader iterator shares with torch's ``_BaseDataLoaderIter``.
+"""What every FastLoader iterator shares with torch's ``_BaseDataLoaderIter``, and the contract
+the device stage reads a host iterator through.
 
 The order of RNG draws matters for reproducibility: the base seed is drawn from
 ``loader.generator`` when the iterator is created, and the sampler draws on its first
@@ -9,7 +10,8 @@ from __future__ import annotations
 
 import time
 import warnings
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils.data import DataLoader
@@ -17,14 +19,41 @@ from torch.utils.data import DataLoader
 from fastfeed._torch_compat import is_iterable_dataset, pin_memory
 from fastfeed.iterators.setup import IteratorSetup
 from fastfeed.resume import EpochStart, LoaderState, RandomSources
-from fastfeed.ring import SlotRing
+from fastfeed.ring import Lease
 from fastfeed.telemetry import batch_length
 
-__all__ = ["BaseIterator"]
+__all__ = ["BaseIterator", "HostBatch", "Position"]
+
+
+class HostBatch(NamedTuple):
+    """A batch as a host iterator hands it over, with the lease on the slot it lives in
+    (None when it lives in no ring slot)."""
+
+    batch: Any
+    lease: Lease | None
+
+
+@dataclass(frozen=True)
+class Position:
+    """Where an epoch stands after the batches handed out so far: enough to build a snapshot
+    later (:meth:`BaseIterator.state_at`), cheap enough to note after every batch."""
+
+    batches_yielded: int
+    epoch_start: EpochStart
+    dataset_states: tuple[Any, ...]
+    next_worker: int = 0
+    workers_done: tuple[bool, ...] | None = None
+    exhausted: bool = False
+    out_of_order: bool = False  # batches were handed out out of sampler order
 
 
 class BaseIterator:
-    """Sampler iteration, seeding, pinning and the IterableDataset length check."""
+    """Sampler iteration, seeding, pinning, snapshots and the IterableDataset length check.
+
+    The device stage reads a host iterator only through :meth:`next_host_batch`,
+    :meth:`position`, :meth:`state_at`, :attr:`base_seed`, :attr:`device_tail`, ``len()``
+    and :meth:`close`.
+    """
 
     def __init__(self, loader: DataLoader, setup: IteratorSetup) -> None:
         self._setup = setup
@@ -39,9 +68,8 @@ class BaseIterator:
         self._collate_fn = loader.collate_fn if setup.collate_fn is None else setup.collate_fn
         self._persistent_workers = loader.persistent_workers
         self._telemetry = setup.telemetry
-        self.records_delivery = True  # False when a DeviceIterator wraps this one and records
-        # Run by the DeviceIterator wrapping this one, before gpu_transform: it finishes the
-        # batches this iterator's workers were set up to make.
+        # Run by the device stage, before gpu_transform: it finishes the batches this
+        # iterator's workers were set up to make.
         self.device_tail = setup.device_tail
 
         if loader.pin_memory and loader.pin_memory_device:
@@ -56,9 +84,6 @@ class BaseIterator:
                 "then device pinned memory won't be used.",
                 stacklevel=3,
             )
-        # fastfeed pins for CUDA only; other accelerators get pageable batches.
-        self._pin_memory = setup.pin_batches
-        self.ring: SlotRing | None = None  # where this iterator's batches live, if anywhere
 
         self._random = RandomSources.of(loader)
         resume = setup.learned.take_resume()
@@ -70,16 +95,16 @@ class BaseIterator:
         # drew no base seed, and carries the one its workers had.
         self._draws_base_seed = resume is None or resume.draws_base_seed
         if self._draws_base_seed:
-            self._base_seed = int(
+            self.base_seed = int(
                 torch.empty((), dtype=torch.int64).random_(generator=loader.generator).item()
             )
         else:
             assert resume is not None and resume.base_seed is not None
-            self._base_seed = resume.base_seed
+            self.base_seed = resume.base_seed
         self._num_yielded = 0
         self._skip_by_reading = 0
         self._exhausted = False
-        self._resume = resume  # applied by the first _reset
+        self._resume = resume  # applied when the first epoch starts
         # IterableDataset.state_dict() after the last delivered batch, per replica.
         self._dataset_states: list[Any] = [None] * max(1, self._num_workers)
 
@@ -87,12 +112,16 @@ class BaseIterator:
         return self
 
     def _reset(self, loader: DataLoader, first_iter: bool = False) -> None:
+        """Start an epoch with a new pass of the sampler, as torch's ``_reset`` does."""
+        self._sampler_iter = iter(self._index_sampler)
+        self._start_epoch(loader, first_iter)
+
+    def _start_epoch(self, loader: DataLoader, first_iter: bool) -> None:
         # A snapshot applies only to a new iterator (load_state_dict drops a persistent one).
         resume, self._resume = self._resume, None
         if not first_iter:
             self._epoch_start = EpochStart.capture(self._random)
             self._draws_base_seed = False  # persistent workers keep theirs
-        self._sampler_iter = iter(self._index_sampler)
         self._num_yielded = 0
         self._skip_by_reading = 0
         self._exhausted = False
@@ -119,41 +148,63 @@ class BaseIterator:
         else:
             self._skip_by_reading = resume.batches_yielded  # no dataset state: re-read
 
-    def state_dict(self) -> LoaderState:
-        """A snapshot from which a new loader resumes at the next batch of this epoch."""
-        if self._exhausted:  # the next epoch: persistent workers will draw no base seed
+    # -- snapshots ---------------------------------------------------------------------------
+    def position(self) -> Position:
+        """Where the epoch stands after the batches handed out so far."""
+        return Position(self._num_yielded, self._epoch_start, tuple(self._dataset_states),
+                        exhausted=self._exhausted, **self._round_robin_position())
+
+    def state_at(self, position: Position) -> LoaderState:
+        """A snapshot from which a new loader resumes right after ``position``.
+
+        Raises:
+            RuntimeError: batches before ``position`` were handed out of sampler order.
+        """
+        if position.exhausted:  # the next epoch: persistent workers will draw no base seed
             persistent = self._persistent_workers and self._num_workers > 0
             return LoaderState(epoch_start=EpochStart.capture(self._random),
                                draws_base_seed=not persistent,
-                               base_seed=self._base_seed if persistent else None)
-        has_states = any(state is not None for state in self._dataset_states)
+                               base_seed=self.base_seed if persistent else None)
+        if position.out_of_order:
+            # Out of order, the delivered batches are not the first N of the sampler: a count
+            # cannot say which they were.
+            raise RuntimeError("a mid-epoch state_dict() needs in_order=True (with "
+                               "in_order=False, batches arrive out of sampler order)")
+        states = position.dataset_states
         return LoaderState(
-            batches_yielded=self._num_yielded,
-            epoch_start=self._epoch_start,
-            dataset_states=list(self._dataset_states) if has_states else None,
+            batches_yielded=position.batches_yielded,
+            epoch_start=position.epoch_start,
+            dataset_states=list(states) if any(s is not None for s in states) else None,
             draws_base_seed=self._draws_base_seed,
-            base_seed=self._base_seed,
-            **self._round_robin_position(),
+            base_seed=self.base_seed,
+            next_worker=position.next_worker,
+            workers_done=None if position.workers_done is None else list(position.workers_done),
         )
+
+    def state_dict(self) -> LoaderState:
+        """A snapshot from which a new loader resumes at the next batch of this epoch."""
+        return self.state_at(self.position())
 
     def _round_robin_position(self) -> dict[str, Any]:
         return {}
 
+    # -- batches -----------------------------------------------------------------------------
     def _next_index(self) -> Any:
         return next(self._sampler_iter)  # StopIteration ends the epoch
 
-    def _next_data(self) -> Any:
+    def _next_data(self) -> HostBatch:
         raise NotImplementedError
 
     def _pin(self, batch: Any) -> Any:
         # Copies into torch's pinned pool, never pins the slot in place: the user drives the
         # copy, and torch guards only the pinned memory it allocated (DESIGN.md invariant 2).
-        return pin_memory(batch, "cuda") if self._pin_memory else batch
+        return pin_memory(batch, "cuda") if self._setup.pin_batches else batch
 
-    def _delivered(self) -> None:
+    def _after_delivery(self) -> None:
         """Called after each batch is handed over (the worker pool tunes itself here)."""
 
-    def __next__(self) -> Any:
+    def next_host_batch(self) -> HostBatch:
+        """The next batch, with the lease on its slot."""
         requested = time.perf_counter()
         try:
             while self._skip_by_reading:
@@ -165,9 +216,9 @@ class BaseIterator:
             self._exhausted = True
             raise
         self._num_yielded += 1
-        if self.records_delivery:
-            self._telemetry.delivered(requested, batch_length(data, self._auto_collation))
-        self._delivered()
+        if self._setup.record_delivery:
+            self._telemetry.delivered(requested, batch_length(data.batch, self._auto_collation))
+        self._after_delivery()
         if self._iterable and self._len_called is not None and self._num_yielded > self._len_called:
             message = (
                 f"Length of IterableDataset {self._dataset} was reported to be "
@@ -181,14 +232,17 @@ class BaseIterator:
                     "https://pytorch.org/docs/stable/data.html#torch.utils.data.IterableDataset "
                     "for examples."
                 )
-            warnings.warn(message, stacklevel=2)
+            warnings.warn(message, stacklevel=3)
         return data
+
+    def __next__(self) -> Any:
+        return self.next_host_batch().batch
 
     def __len__(self) -> int:
         return len(self._index_sampler)
 
     def close(self) -> None:
-        """Stop the workers and free the ring now, not when the iterator is collected."""
+        """Stop the workers now, not when the iterator is collected."""
 
     def __getstate__(self) -> Any:
         raise NotImplementedError(f"{type(self).__name__} cannot be pickled")

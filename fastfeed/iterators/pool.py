@@ -1,48 +1,52 @@
-"""A pool of workers (processes that collate into the ring, or threads).
+"""A pool of workers (processes that collate into the ring, or threads): send tasks, receive
+answers, deliver batches.
 
-Dispatch and reordering follow torch's ``_MultiProcessingDataLoaderIter``: indices go to
-workers round-robin, at most ``prefetch_factor`` tasks per worker are outstanding, results are
-returned in sampler order (or as they arrive with ``in_order=False``), and IterableDataset
-replicas are interleaved. What differs is what crosses the process boundary: each task carries
-a ring slot, and the result is a small message that ``codec.decode`` turns back into tensors
-that are views of that slot. With ``num_workers="auto"`` the pool also grows and shrinks.
+Dispatch and ordering follow torch's ``_MultiProcessingDataLoaderIter``: indices go to
+workers round-robin, at most ``prefetch_factor`` tasks per worker are outstanding, batches
+are delivered in sampler order (or as they arrive with ``in_order=False``), and
+IterableDataset replicas are interleaved. What crosses the process boundary differs: each task
+carries a ring slot, and the answer is a small message that ``codec.decode`` turns back into
+tensors that are views of that slot (see :mod:`fastfeed.protocol`). The task book
+(:mod:`~fastfeed.iterators.tasks`) keeps every task's state, the worker table
+(:mod:`~fastfeed.iterators.workers`) every worker's.
 """
 
 from __future__ import annotations
 
 import atexit
 import os
-import queue
 import threading
 import time
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
 from torch._utils import ExceptionWrapper
 from torch.utils.data import DataLoader
 
-from fastfeed.autotune import CpuMeter, Window, WorkerSleepMeter
-from fastfeed.codec import Encoded, decode
+from fastfeed.autotune import TuningWindows
+from fastfeed.codec import decode
 from fastfeed.iterators.backends import make_backend
-from fastfeed.iterators.base import BaseIterator
+from fastfeed.iterators.base import BaseIterator, HostBatch
+from fastfeed.iterators.liveness import WorkerExited, next_message, raise_if_a_worker_died
 from fastfeed.iterators.setup import IteratorSetup
+from fastfeed.iterators.tasks import Entry, TaskBook
 from fastfeed.iterators.workers import WorkerState, WorkerTable
+from fastfeed.protocol import (
+    Answer,
+    Encoded,
+    EpochStarted,
+    Failed,
+    Produced,
+    ReplicaEnded,
+    StartEpoch,
+    Stop,
+    Task,
+    WorkerConfig,
+)
 from fastfeed.resume import LoaderState
-from fastfeed.ring import SlotRing, Ticket
-from fastfeed.worker import Produced, Resume, WorkerConfig, WorkerDone
+from fastfeed.ring import Lease, SlotRing, Ticket, slot_budget
 
 __all__ = ["WorkerPoolIterator"]
-
-# How often a waiting main process checks that its workers are alive.
-_LIVENESS_INTERVAL = 0.1
-# Beyond the slots of in-flight tasks: the batch being decoded and the one the user still holds.
-_SPARE_SLOTS = 2
-# A tuner window closes after this many batches or this many seconds (with at least
-# _TUNER_MIN_BATCHES), so that short epochs and the first seconds of a run are tuned too.
-_TUNER_WINDOW = 20
-_TUNER_WINDOW_S = 0.5
-_TUNER_MIN_BATCHES = 3
 
 _python_exiting = False
 
@@ -61,34 +65,18 @@ def _reraise(wrapper: ExceptionWrapper) -> None:
     ``ExceptionWrapper.reraise`` keeps the exception in a local of the frame it raises from,
     so exception -> traceback -> that frame -> exception is a cycle, and every frame of the
     traceback (holding this iterator) would wait for the cyclic garbage collector: the
-    workers would outlive the last reference to their iterator. Dropping that frame from the
-    traceback breaks the cycle; the worker's own traceback is in the message.
+    workers would outlive the last reference to their iterator. Raising it afresh without
+    that frame breaks the cycle; the worker's own traceback is in the message.
     """
     try:
         wrapper.reraise()
     except BaseException as error:
-        raise error.with_traceback(None)  # noqa: B904 - the same exception, not a new one
+        raise error.with_traceback(None) from error.__cause__
 
 
 def _release_all(ring: SlotRing, tickets: list[Ticket]) -> None:
     for ticket in tickets:
         ring.release(ticket)
-
-
-@dataclass
-class _Task:
-    """One index batch sent to a worker. It owns its slot's ticket until the batch is decoded
-    (the ticket becomes the batch's lease) or the task ends otherwise (the ticket is
-    released): :meth:`WorkerPoolIterator._settle` gives it back, or, for a task still in
-    flight when the pool shuts down, :meth:`~WorkerPoolIterator._shutdown_workers` once the
-    workers have exited."""
-
-    worker_id: int
-    ticket: Ticket | None
-    result: Any = field(default=None)
-    done: bool = False  # its result is in
-    cancelled: bool = False  # its worker's replica ended first: it never runs
-    dataset_state: Any = None
 
 
 class WorkerPoolIterator(BaseIterator):
@@ -105,18 +93,11 @@ class WorkerPoolIterator(BaseIterator):
         self._shutdown = False
         self._shutdown_lock = threading.Lock()
         self._epoch = 0
-        self._workers = WorkerTable()
+        self._book = TaskBook()
+        self._workers = WorkerTable(self._book)
         self._worker_init_fn = loader.worker_init_fn
-        self._deterministic = setup.deterministic
-        self._learned = setup.learned
-        self._tuner = setup.tuner
-        self._cpu = CpuMeter() if self._tuner is not None else None
-        self._window = (time.perf_counter(), self._telemetry.waited)
-        self._window_batches = 0
-
         self._backend = make_backend(setup.worker_mode, loader.multiprocessing_context)
         self._telemetry.worker_mode = self._backend.kind
-        self._spare_slots = _SPARE_SLOTS + setup.held_by_prefetch
         self.ring = setup.ring if self._backend.kind == "process" else None
         self._telemetry.ring = self.ring
         try:
@@ -126,10 +107,8 @@ class WorkerPoolIterator(BaseIterator):
             self._shutdown_workers()
             raise
         self._size_ring()
-        # Read as each tuner window closes (one /proc read per worker); the first reading is
-        # now, so that the first window is measured too.
-        self._sleep = (WorkerSleepMeter(self._worker_tasks()) if self._tuner is not None
-                       else None)
+        self._tuning = (None if setup.tuner is None else TuningWindows(
+            setup.tuner, self._workers.active_tasks(), self._telemetry.waited))
         self._reset(loader, first_iter=True)
 
     @property
@@ -137,11 +116,9 @@ class WorkerPoolIterator(BaseIterator):
         return self._prefetch_factor * self._workers.serving
 
     def _size_ring(self) -> None:
-        """Slots for every task in flight, plus the batches being decoded and held."""
         if self.ring is not None:
-            fixed = self._setup.ring_slots
-            self.ring.max_slots = (fixed if fixed is not None else
-                                   self._max_tasks + self._spare_slots)
+            self.ring.max_slots = slot_budget(self._max_tasks, self._setup.held_by_prefetch,
+                                              self._setup.ring_slots)
 
     def _start_worker(self, worker_id: int, dataset_state: Any = None,
                       num_workers: int | None = None) -> None:
@@ -151,13 +128,13 @@ class WorkerPoolIterator(BaseIterator):
             auto_collation=self._auto_collation,
             collate_fn=self._collate_fn,
             drop_last=self._drop_last,
-            base_seed=self._base_seed,
+            base_seed=self.base_seed,
             worker_init_fn=self._worker_init_fn,
             worker_id=worker_id,
             num_workers=num_workers or self._num_workers,
             dataset_state=dataset_state,
             thread=self._backend.kind == "thread",
-            deterministic=self._deterministic,
+            deterministic=self._setup.deterministic,
         )
         self._workers.add(self._backend.start(config, self.ring))
 
@@ -173,16 +150,18 @@ class WorkerPoolIterator(BaseIterator):
             )
         return resume.dataset_states[worker_id]
 
-    def _reset(self, loader: DataLoader, first_iter: bool = False) -> None:
-        super()._reset(loader, first_iter)
+    @property
+    def closed(self) -> bool:
+        """Whether the workers were shut down (a worker died): the next epoch needs new ones."""
+        return self._shutdown
+
+    def _start_epoch(self, loader: DataLoader, first_iter: bool) -> None:
+        super()._start_epoch(loader, first_iter)
         resume = self._epoch_resume
         if not first_iter:
-            self._resume_workers(resume)
+            self._restart_workers(resume)
         self._epoch_clock = time.perf_counter()
-        self._send_idx = 0
-        self._rcvd_idx = 0
-        self._tasks: dict[int, _Task] = {}
-        self._tasks_outstanding = 0
+        self._book.start_epoch()
         self._next_worker = 0  # round-robin position
         if resume is not None and resume.dataset_states is not None:
             # Continue the round robin where the snapshot left it.
@@ -190,32 +169,33 @@ class WorkerPoolIterator(BaseIterator):
             for worker_id, done in enumerate(resume.workers_done or []):
                 if done:
                     self._workers.exhaust(worker_id, at=-1)
-        for _ in range(self._max_tasks):
-            self._try_put_index()
+        self._fill()
 
-    def _resume_workers(self, resume: LoaderState | None) -> None:
-        """Persistent workers: start the next epoch once every result of this one (finished
+    def _restart_workers(self, resume: LoaderState | None) -> None:
+        """Persistent workers: start the next epoch once every answer of this one (finished
         or abandoned) is in."""
         self._epoch += 1
         resumed = self._workers.resumable()
         for worker_id in resumed:
             state = self._resume_dataset_state(resume, worker_id)
-            self._workers[worker_id].handle.index_queue.put(Resume(self._epoch, state))
+            self._workers[worker_id].handle.task_queue.put(StartEpoch(self._epoch, state))
         # Each worker answers its tasks before its acknowledgement; a retiring worker gets no
-        # Resume, so wait until it has answered its last task too.
+        # StartEpoch, so wait until it has answered its last task too.
         acknowledged = 0
-        while acknowledged < len(resumed) or self._workers.retiring_owe():
-            idx, result = self._get_result()
-            if isinstance(idx, Resume):
-                acknowledged += idx.epoch == self._epoch
-            elif idx in self._tasks:
-                self._answered(idx, result)
-        for task in self._tasks.values():
-            self._settle(task)  # results not delivered: their leases die with the tasks
+        while acknowledged < len(resumed) or self._workers.retiring_with_tasks():
+            message = self._next_message()
+            if isinstance(message, EpochStarted):
+                acknowledged += message.epoch == self._epoch
+            else:
+                self._receive(message)  # batches not delivered: their leases die with them
         for worker_id in resumed:
             self._workers.resume(worker_id)
 
     # -- dispatch ----------------------------------------------------------------------------
+    def _fill(self) -> None:
+        for _ in range(self._max_tasks):
+            self._send_next()
+
     def _pick_worker(self) -> int | None:
         """The next active worker in round-robin order with room for a task, if any."""
         count = len(self._workers)
@@ -223,15 +203,14 @@ class WorkerPoolIterator(BaseIterator):
         for _ in range(count):
             worker_id = self._next_worker % count
             self._next_worker = worker_id + 1
-            worker = self._workers[worker_id]
-            if worker.state is not WorkerState.ACTIVE:
+            if self._workers[worker_id].state is not WorkerState.ACTIVE:
                 continue
-            if self._in_order or worker.outstanding < self._max_tasks // active:
+            if self._in_order or self._book.outstanding(worker_id) < self._max_tasks // active:
                 return worker_id
         return None
 
-    def _try_put_index(self) -> None:
-        if self._tasks_outstanding >= self._max_tasks:
+    def _send_next(self) -> None:
+        if self._book.outstanding() >= self._max_tasks:
             return
         try:
             index = self._next_index()
@@ -241,12 +220,9 @@ class WorkerPoolIterator(BaseIterator):
         if worker_id is None:
             return
         ticket = self._acquire_ticket()
+        seq = self._book.send(worker_id, ticket)
         slot_id = None if ticket is None else ticket.slot_id
-        self._workers[worker_id].handle.index_queue.put((self._send_idx, index, slot_id))
-        self._tasks[self._send_idx] = _Task(worker_id, ticket)
-        self._workers.assign(worker_id)
-        self._tasks_outstanding += 1
-        self._send_idx += 1
+        self._workers[worker_id].handle.task_queue.put(Task(seq, index, slot_id))
 
     def _acquire_ticket(self) -> Ticket | None:
         if self.ring is None:
@@ -260,210 +236,127 @@ class WorkerPoolIterator(BaseIterator):
             for worker in self._workers.mapping_slots():
                 self._backend.announce(worker.handle, created, retired)
 
-    def _settle(self, task: _Task, result: Encoded | None = None) -> Any:
-        """End the task's hold on its slot, exactly once: lease it to ``result``'s batch, or
-        give it back. Returns the decoded batch."""
-        ticket, task.ticket = task.ticket, None
-        lease = None
-        if ticket is not None:
-            assert self.ring is not None
-            if result is not None and result.slot_id == ticket.slot_id:
-                lease = self.ring.lease(ticket)
-            else:
-                self.ring.release(ticket)
-        elif result is not None and result.private_slot is not None:
-            assert self.ring is not None
-            lease, created = self.ring.adopt(result.private_slot.detach())
-            self._announce(created, [])
-        return None if result is None else decode(result, lease)
-
     # -- receive -----------------------------------------------------------------------------
-    def _get_result(self) -> tuple[Any, Any]:
-        deadline = time.monotonic() + self._timeout if self._timeout > 0 else None
-        while True:
-            wait = _LIVENESS_INTERVAL
-            if deadline is not None:
-                wait = max(0.0, min(wait, deadline - time.monotonic()))
-            try:
-                return self._backend.result_queue.get(timeout=wait)
-            except queue.Empty:
-                pass
-            self._check_workers()
-            if deadline is not None and time.monotonic() >= deadline:
-                raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds")
-
-    def _check_workers(self, wait: float = 0.0) -> None:
-        """Raise if a worker that should be running has died, waiting up to ``wait`` s for
-        one that is dying."""
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline and all(
-            w.handle.exit_reason() is None for w in self._workers
-        ):
-            time.sleep(0.02)
-        for worker in self._workers:
-            reason = worker.handle.exit_reason()
-            # Stopped workers exit normally: only once every task of theirs was answered.
-            if reason is not None and worker.state is not WorkerState.STOPPED:
-                handle = worker.handle
-                message = (f"DataLoader worker {handle.worker_id} (pid {handle.pid}) exited "
-                           f"unexpectedly: {reason}")
-                self._shutdown_workers()
-                raise RuntimeError(message)
-
-    def _next_data(self) -> Any:
-        while True:
-            while self._rcvd_idx < self._send_idx:
-                task = self._tasks.get(self._rcvd_idx)
-                if task is not None and not task.cancelled:
-                    break
-                self._tasks.pop(self._rcvd_idx, None)
-                self._rcvd_idx += 1
-            else:
-                self._epoch_finished()
-                raise StopIteration
-
-            task = self._tasks[self._rcvd_idx]
-            if task.done:
-                del self._tasks[self._rcvd_idx]
-                self._rcvd_idx += 1
-                return self._process(task)
-
-            assert not self._shutdown and self._tasks_outstanding > 0
-            idx, result = self._get_result()
-            arrived = self._answered(idx, result)
-            if arrived.cancelled:  # the replica of its worker ended
-                self._try_put_index()
-                continue
-            if idx == self._rcvd_idx or not self._in_order:
-                del self._tasks[idx]
-                if idx == self._rcvd_idx:
-                    self._rcvd_idx += 1
-                return self._process(arrived)
-
-    def _epoch_finished(self) -> None:
-        if self._num_yielded:
-            rate = self._num_yielded / max(time.perf_counter() - self._epoch_clock, 1e-9)
-            self._learned.epoch_rates.setdefault(self._backend.kind, rate)
-        if not self._persistent_workers:
+    def _next_message(self) -> Any:
+        try:
+            return next_message(self._backend.result_queue, self._workers, self._timeout)
+        except WorkerExited:
             self._shutdown_workers()
+            raise
 
-    def _answered(self, idx: int, result: Any) -> _Task:
-        """Book a worker's answer to task ``idx`` and decode it at once: shared memory sent
-        outside the ring is fetched from the worker, which may exit (an exhausted
-        IterableDataset replica) before this batch's turn comes."""
-        task = self._tasks[idx]
-        self._tasks_outstanding -= 1
-        if isinstance(result, WorkerDone):
-            self._workers.answered(task.worker_id)
-            self._replica_ended(idx, task)
-            return task
+    def _receive(self, answer: Answer) -> None:
+        """Book a worker's answer and decode its batch at once: shared memory sent outside the
+        ring is fetched from the worker, which may exit (an exhausted IterableDataset replica)
+        before this batch's turn comes."""
+        outcome = answer.outcome
+        worker_id = self._book[answer.seq].worker_id
+        if isinstance(outcome, ReplicaEnded):
+            # The tasks queued behind this one never run: cancel them, as torch skips them.
+            for cancelled in self._book.cancel_worker(worker_id):
+                self._settle(cancelled.take_ticket())
+            self._workers.exhaust(worker_id, at=answer.seq)
+            if not self._persistent_workers:
+                self._stop_worker(worker_id)
+            return
+        entry = self._book.answer(answer.seq)
         try:
-            self._receive(task, result)
+            entry.result = self._result_of(entry, outcome)
         finally:
-            if self._workers.answered(task.worker_id):
-                self._stop_worker(task.worker_id)  # a retiring worker's last task: it may exit
-        return task
+            if self._workers.may_stop(worker_id):
+                self._stop_worker(worker_id)  # a retiring worker's last task: it may exit
 
-    def _replica_ended(self, idx: int, task: _Task) -> None:
-        """The worker's IterableDataset replica ended at task ``idx``: that task and the later
-        ones sent to the same worker never run. Cancel them, as torch skips them."""
-        worker_id = task.worker_id
-        for other in self._tasks.values():
-            if other.worker_id == worker_id and not other.done and not other.cancelled:
-                other.cancelled = True
-                self._settle(other)
-                if other is not task:
-                    self._tasks_outstanding -= 1
-                    self._workers.answered(worker_id)
-        self._workers.exhaust(worker_id, at=idx)
-        if not self._persistent_workers:
-            self._stop_worker(worker_id)
-
-    def _receive(self, task: _Task, result: Any) -> None:
-        task.done = True
-        if not isinstance(result, Produced):
-            self._settle(task)
-            task.result = result
-            return
-        task.dataset_state = result.dataset_state
-        self._telemetry.skipped += result.skipped
-        self._telemetry.add_stage("fetch", result.fetch_s)
-        self._telemetry.add_stage("collate", result.collate_s)
-        self._telemetry.add_worker_busy(result.fetch_s + result.collate_s)
-        if not isinstance(result.batch, Encoded):  # from a thread: the batch itself
-            task.result = result.batch
-            return
+    def _result_of(self, entry: Entry, outcome: Produced | Failed) -> HostBatch | ExceptionWrapper:
+        """What the consumer gets in the task's turn: its batch, or the error to raise."""
+        ticket = entry.take_ticket()
+        if isinstance(outcome, Failed):
+            self._settle(ticket)
+            return outcome.error
+        entry.dataset_state = outcome.dataset_state
+        self._telemetry.record_produced(outcome)
+        if not isinstance(outcome.batch, Encoded):  # from a thread: the batch itself
+            return HostBatch(outcome.batch, None)
         if self.ring is not None:
-            self.ring.note_required(result.batch.required)
+            self.ring.fit_batches_of(outcome.batch.required)
         try:
-            task.result = self._settle(task, result.batch)  # the batch holds the slot's lease
+            lease = self._settle(ticket, outcome.batch)
+            return HostBatch(decode(outcome.batch, lease), lease)
         except Exception as error:
             if isinstance(error, (OSError, EOFError)):
                 # Shared memory outside the ring is fetched from its worker: if that worker
                 # died, say so rather than surface a socket error.
-                self._check_workers(wait=2.0)
-            # Raised in the batch's turn, as a worker's exception would be (the task is done:
-            # leaving it without a result would hand the user None there).
-            task.result = ExceptionWrapper(
-                where=f"in the main process, rebuilding a batch of worker {task.worker_id}")
+                self._raise_if_a_worker_died(wait=2.0)
+            # Raised in the batch's turn, as a worker's exception would be.
+            return ExceptionWrapper(
+                where=f"in the main process, rebuilding a batch of worker {entry.worker_id}")
 
-    def _process(self, task: _Task) -> Any:
-        self._try_put_index()
-        if isinstance(task.result, ExceptionWrapper):
-            _reraise(task.result)
-        if task.dataset_state is not None:
-            self._dataset_states[task.worker_id] = task.dataset_state
-        return self._pin(task.result)
+    def _settle(self, ticket: Ticket | None, batch: Encoded | None = None) -> Lease | None:
+        """The one place a task's hold on a slot ends: its ticket becomes ``batch``'s lease,
+        or goes back to the ring; a batch sent without one is leased the slot its worker
+        made (adopted into the ring when it fits)."""
+        if ticket is not None:
+            assert self.ring is not None
+            if batch is not None and batch.slot_id == ticket.slot_id:
+                return self.ring.lease(ticket)
+            self.ring.release(ticket)
+        elif batch is not None and batch.private_slot is not None:
+            assert self.ring is not None
+            lease, created = self.ring.adopt(batch.private_slot.detach())
+            self._announce(created, [])
+            return lease
+        return None
 
-    def state_dict(self) -> LoaderState:
-        if not self._in_order and self._num_yielded and not self._exhausted:
-            # Out of order, the delivered batches are not the first N of the sampler: a count
-            # cannot say which they were.
-            raise RuntimeError("a mid-epoch state_dict() needs in_order=True (with "
-                               "in_order=False, batches arrive out of sampler order)")
-        return super().state_dict()
+    def _raise_if_a_worker_died(self, wait: float = 0.0) -> None:
+        try:
+            raise_if_a_worker_died(self._workers, wait)
+        except WorkerExited:
+            self._shutdown_workers()
+            raise
+
+    # -- deliver -----------------------------------------------------------------------------
+    def _next_data(self) -> HostBatch:
+        while True:
+            entry = self._book.deliver(self._in_order)
+            if entry is not None:
+                self._send_next()
+                if isinstance(entry.result, ExceptionWrapper):
+                    _reraise(entry.result)
+                if entry.dataset_state is not None:
+                    self._dataset_states[entry.worker_id] = entry.dataset_state
+                batch, lease = entry.result
+                return HostBatch(self._pin(batch), lease)
+            if self._book.finished:
+                self._epoch_finished()
+                raise StopIteration
+            assert not self._shutdown and self._book.outstanding() > 0
+            answer = self._next_message()
+            self._receive(answer)
+            if isinstance(answer.outcome, ReplicaEnded):
+                self._send_next()  # in the place of the cancelled tasks
+
+    def _epoch_finished(self) -> None:
+        if self._num_yielded:
+            rate = self._num_yielded / max(time.perf_counter() - self._epoch_clock, 1e-9)
+            self._setup.learned.epoch_rates.setdefault(self._backend.kind, rate)
+        if not self._persistent_workers:
+            self._shutdown_workers()
 
     def _round_robin_position(self) -> dict[str, Any]:
-        if not self._iterable:
-            return {}
-        pending = [idx for idx, task in self._tasks.items()
-                   if idx >= self._rcvd_idx and not task.cancelled]
-        upcoming = min(pending, default=self._send_idx)
-        return {
-            "next_worker": self._tasks[upcoming].worker_id if pending else 0,
-            "workers_done": [w.exhausted_at is not None and w.exhausted_at < upcoming
-                             for w in self._workers],
-        }
+        position: dict[str, Any] = {"out_of_order": not self._in_order}
+        if self._iterable:
+            upcoming, worker_id = self._book.upcoming()
+            position["next_worker"] = worker_id or 0
+            position["workers_done"] = tuple(
+                w.exhausted_at is not None and w.exhausted_at < upcoming for w in self._workers)
+        return position
 
     # -- auto-tuning -------------------------------------------------------------------------
-    def _delivered(self) -> None:
-        if self._tuner is None:
+    def _after_delivery(self) -> None:
+        if self._tuning is None:
             return
-        self._window_batches += 1
-        now, waited = time.perf_counter(), self._telemetry.waited
-        start, start_waited = self._window
-        long_enough = (self._window_batches >= _TUNER_MIN_BATCHES
-                       and now - start >= _TUNER_WINDOW_S)
-        if self._window_batches < _TUNER_WINDOW and not long_enough:
-            return
-        self._window = (now, waited)
-        batches, self._window_batches = self._window_batches, 0
-        elapsed = now - start
-        if elapsed <= 0:
-            return
-        assert self._cpu is not None and self._sleep is not None
-        window = Window(batches / elapsed, min(1.0, (waited - start_waited) / elapsed),
-                        self._cpu.idle_cores(), self._sleep.sleep_fraction(self._worker_tasks()))
-        wanted = self._tuner.observe(window)
-        if wanted != self._workers.serving:
-            self._telemetry.decision(self._tuner.log[-1])
+        wanted = self._tuning.delivered(self._telemetry.waited, self._workers.active_tasks())
+        if wanted is not None and wanted != self._workers.serving:
+            self._telemetry.decision(self._tuning.tuner.log[-1])
             self._resize(wanted)
-
-    def _worker_tasks(self) -> list[int]:
-        """The kernel tasks of the workers that take tasks, for the sleep meter: a retiring
-        worker is winding down, and an exited one has nothing left to read."""
-        return [task for w in self._workers
-                if w.state is WorkerState.ACTIVE and (task := w.handle.task_id) is not None]
 
     def _resize(self, wanted: int) -> None:
         while self._workers.serving < wanted:
@@ -476,14 +369,13 @@ class WorkerPoolIterator(BaseIterator):
             if self._workers.retire(worker_id):
                 self._stop_worker(worker_id)
         self._size_ring()
-        self._learned.workers = self._workers.serving  # where the next epoch's workers start
-        for _ in range(self._max_tasks):
-            self._try_put_index()
+        self._setup.learned.workers = self._workers.serving  # where the next epoch starts
+        self._fill()
 
     # -- shutdown ----------------------------------------------------------------------------
     def _stop_worker(self, worker_id: int) -> None:
         self._workers.stop(worker_id)
-        self._workers[worker_id].handle.index_queue.put(None)
+        self._workers[worker_id].handle.task_queue.put(Stop())
 
     def _shutdown_workers(self, wait: bool = True) -> None:
         # Once, from whichever thread gets here first: __del__ can run in any thread that
@@ -495,11 +387,7 @@ class WorkerPoolIterator(BaseIterator):
         self._shutdown = True
         # Tasks still in flight (a break, an error) hand their tickets over: they go back to
         # the loader's ring once no worker can write the slots any more.
-        tickets = []
-        for task in getattr(self, "_tasks", {}).values():
-            ticket, task.ticket = task.ticket, None
-            if ticket is not None:
-                tickets.append(ticket)
+        tickets = self._book.take_tickets()
         release = None
         if tickets and self.ring is not None:
             release = partial(_release_all, self.ring, tickets)

@@ -47,9 +47,11 @@ class IteratorSetup:
     held_by_prefetch: int = 0  # host batches a device prefetcher holds on to
     ring_slots: int | None = None
     deterministic: bool = False
-    # What the workers run instead of the loader's dataset and collate_fn, and what a device
-    # iterator runs on each batch first (same batches): an accelerated dataset whose tail runs
-    # on whole batches (see FastLoader._batch_tail_split).
+    # False when a device stage wraps the iterator: it measures the consumer's wait itself.
+    record_delivery: bool = True
+    # What the workers run instead of the loader's dataset and collate_fn, and what the device
+    # stage runs on each batch first (same batches): a dataset whose tail runs on whole
+    # batches (see fastfeed.tail).
     dataset: Any = None
     collate_fn: Callable[[list], Any] | None = None
     device_tail: Callable[[Any], Any] | None = None

@@ -1,17 +1,13 @@
-"""``num_workers=0``: fetch and collate in the calling thread, as torch does."""
+"""``num_workers=0``: the produce step in the calling thread, as torch does."""
 
 from __future__ import annotations
 
-import time
-from typing import Any
-
 from torch.utils.data import DataLoader
 
-from fastfeed.fetch import make_fetcher
-from fastfeed.iterators.base import BaseIterator
+from fastfeed.iterators.base import BaseIterator, HostBatch
 from fastfeed.iterators.setup import IteratorSetup
-from fastfeed.resume import has_snapshot_protocol
-from fastfeed.skip import drop_skipped
+from fastfeed.produce import Producer
+from fastfeed.protocol import WorkerConfig
 
 __all__ = ["SingleProcessIterator"]
 
@@ -25,26 +21,27 @@ class SingleProcessIterator(BaseIterator):
             # torch's single-process iterator refuses a timeout with the same exception type.
             raise AssertionError("timeout requires num_workers > 0 (got timeout="
                                  f"{self._timeout} with num_workers=0)")
-        self._reset(loader, first_iter=True)
-
-    def _reset(self, loader: DataLoader, first_iter: bool = False) -> None:
-        super()._reset(loader, first_iter)
-        self._tracks_state = self._iterable and has_snapshot_protocol(self._dataset)
-        if self._tracks_state and self._dataset_states[0] is not None:
-            self._dataset.load_state_dict(self._dataset_states[0])
-        self._fetcher = make_fetcher(
-            self._dataset, self._iterable, self._auto_collation, self._drop_last
+        # As torch's: the sampler is iterated once per iterator (a batch sampler that draws
+        # in __iter__ draws once).
+        self._start_epoch(loader, first_iter=True)
+        config = WorkerConfig(
+            dataset=self._dataset,
+            iterable=self._iterable,
+            auto_collation=self._auto_collation,
+            collate_fn=self._collate_fn,
+            drop_last=self._drop_last,
+            base_seed=self.base_seed,
+            worker_init_fn=None,
+            worker_id=0,
+            num_workers=0,
+            deterministic=setup.deterministic,
         )
+        self._producer = Producer(config, in_main_process=True)
+        self._producer.start_epoch(0, self._dataset_states[0])
 
-    def _next_data(self) -> Any:
-        index = self._next_index()
-        start = time.perf_counter()
-        samples, skipped = drop_skipped(self._fetcher.fetch(index), self._auto_collation)
-        self._telemetry.skipped += skipped
-        if self._tracks_state:
-            self._dataset_states[0] = self._dataset.state_dict()
-        fetched = time.perf_counter()
-        batch = self._collate_fn(samples)
-        self._telemetry.add_stage("fetch", fetched - start)
-        self._telemetry.add_stage("collate", time.perf_counter() - fetched)
-        return self._pin(batch)
+    def _next_data(self) -> HostBatch:
+        produced = self._producer.produce(self._next_index())
+        self._telemetry.record_produced(produced, by_worker=False)
+        if produced.dataset_state is not None:
+            self._dataset_states[0] = produced.dataset_state
+        return HostBatch(self._pin(produced.batch), None)

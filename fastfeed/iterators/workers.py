@@ -7,7 +7,8 @@ error or its replica's end, has reached the main process)::
        │                          └──not persistent──> STOPPED
        └──tuner retires it──> RETIRING ──its last task answered──> STOPPED
 
-* Only ACTIVE workers are given tasks; ``outstanding`` counts tasks sent and not answered.
+* Only ACTIVE workers are given tasks. What a worker owes (tasks sent and not answered) is
+  the task book's count, the one count of outstanding work.
 * When a replica ends, the tasks already queued behind it never run: the pool cancels them
   (their slots go back once) before the worker is marked EXHAUSTED, which needs none left.
 * A worker may exit only when STOPPED, and is stopped only when it owes nothing: a batch sent
@@ -21,6 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from fastfeed.iterators.backends import WorkerHandle
+from fastfeed.iterators.tasks import TaskBook
 
 __all__ = ["WorkerState", "WorkerTable"]
 
@@ -36,16 +38,16 @@ class WorkerState(enum.Enum):
 class _Worker:
     handle: WorkerHandle
     state: WorkerState = WorkerState.ACTIVE
-    outstanding: int = 0
     retired: bool = False  # by the tuner: its id is never given tasks again
     exhausted_at: int | None = None  # the task index at which its replica ended
 
 
 class WorkerTable:
-    """Workers by id (ids are never reused), with their state and outstanding tasks."""
+    """Workers by id (ids are never reused), with their state; ``book`` says what each owes."""
 
-    def __init__(self) -> None:
+    def __init__(self, book: TaskBook) -> None:
         self._workers: list[_Worker] = []
+        self._book = book
 
     def add(self, handle: WorkerHandle) -> None:
         assert handle.worker_id == len(self._workers)
@@ -71,6 +73,12 @@ class WorkerTable:
     def newest_serving(self) -> int:
         return max(i for i, w in enumerate(self._workers) if not w.retired)
 
+    def active_tasks(self) -> list[int]:
+        """The kernel tasks of the workers that take tasks (for the tuner's sleep meter): a
+        retiring worker is winding down, and an exited one has nothing left to read."""
+        return [task for w in self._workers
+                if w.state is WorkerState.ACTIVE and (task := w.handle.task_id) is not None]
+
     def mapping_slots(self) -> list[_Worker]:
         """Workers that must hear of new and retired ring slots."""
         return [w for w in self._workers if w.state is not WorkerState.STOPPED]
@@ -80,25 +88,21 @@ class WorkerTable:
         return [i for i, w in enumerate(self._workers)
                 if w.state in (WorkerState.ACTIVE, WorkerState.EXHAUSTED)]
 
-    def retiring_owe(self) -> bool:
-        return any(w.state is WorkerState.RETIRING and w.outstanding for w in self._workers)
+    def retiring_with_tasks(self) -> bool:
+        """Whether a retiring worker still owes answers."""
+        return any(w.state is WorkerState.RETIRING and self._book.outstanding(i)
+                   for i, w in enumerate(self._workers))
+
+    def may_stop(self, worker_id: int) -> bool:
+        """Whether a retiring worker has answered its last task."""
+        worker = self._workers[worker_id]
+        return worker.state is WorkerState.RETIRING and not self._book.outstanding(worker_id)
 
     # -- transitions -------------------------------------------------------------------------
-    def assign(self, worker_id: int) -> None:
-        worker = self._workers[worker_id]
-        assert worker.state is WorkerState.ACTIVE, worker
-        worker.outstanding += 1
-
-    def answered(self, worker_id: int) -> bool:
-        """Book one answered task; True when a retiring worker has now answered them all."""
-        worker = self._workers[worker_id]
-        assert worker.outstanding > 0, worker
-        worker.outstanding -= 1
-        return worker.state is WorkerState.RETIRING and not worker.outstanding
-
     def exhaust(self, worker_id: int, at: int) -> None:
         worker = self._workers[worker_id]
-        assert worker.state is WorkerState.ACTIVE and not worker.outstanding, worker
+        assert (worker.state is WorkerState.ACTIVE
+                and not self._book.outstanding(worker_id)), worker
         worker.state = WorkerState.EXHAUSTED
         worker.exhausted_at = at
 
@@ -108,7 +112,7 @@ class WorkerTable:
         assert worker.state is WorkerState.ACTIVE and not worker.retired, worker
         worker.retired = True
         worker.state = WorkerState.RETIRING
-        return not worker.outstanding
+        return not self._book.outstanding(worker_id)
 
     def resume(self, worker_id: int) -> None:
         worker = self._workers[worker_id]
@@ -118,5 +122,6 @@ class WorkerTable:
 
     def stop(self, worker_id: int) -> None:
         worker = self._workers[worker_id]
-        assert worker.state is not WorkerState.STOPPED and not worker.outstanding, worker
+        assert (worker.state is not WorkerState.STOPPED
+                and not self._book.outstanding(worker_id)), worker
         worker.state = WorkerState.STOPPED

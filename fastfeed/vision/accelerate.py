@@ -45,6 +45,7 @@ from torch.utils.data import Dataset
 from fastfeed._copy import stack_into
 from fastfeed._torch_compat import default_collate
 from fastfeed.collate import stackable
+from fastfeed.tail import BatchTailSplit
 from fastfeed.vision.decode import Box, decode_resized_crop, image_size
 from fastfeed.vision.folder import ImageFolder
 
@@ -401,6 +402,16 @@ class FusedTransform:
             elif float(torch.rand(1)) < transform.p:  # RandomHorizontalFlip: torchvision's draw
                 window.flipped = not window.flipped
         return window
+
+    def split_batch_tail(self, dataset: Dataset) -> BatchTailSplit | None:
+        """The :mod:`fastfeed.tail` hook: ``dataset`` (whose transform this is) with items
+        stopped at uint8, and the tail that finishes its batches (see
+        :func:`deferred_for_device`)."""
+        deferred = deferred_for_device(dataset)
+        if deferred is None:
+            return None
+        dataset, tail = deferred
+        return BatchTailSplit(dataset, tail, TailCollate(tail))
 
     def __call__(self, encoded: EncodedImage) -> Any:
         if not isinstance(encoded, EncodedImage):

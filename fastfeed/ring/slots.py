@@ -1,34 +1,26 @@
-"""The ring: shared-memory slots that workers collate straight into.
+"""The main process's side of the ring: slots, who owns each, and when one may be reused.
 
-Each slot is an anonymous ``memfd`` mapping. It has no name in ``/dev/shm``, so a killed
-process can never leave one behind, and Docker's small default ``/dev/shm`` does not limit it.
-The main process owns the ring (one per loader, kept across epochs); workers receive each
-slot's file descriptor over a control pipe and map it once.
-
-Ownership (DESIGN.md invariant 2). A slot has exactly one owner at a time, and only the
-ring decides when it may be reused::
+The main process owns the ring (one per loader, kept across epochs). A slot has exactly one
+owner at a time, and only the ring changes it (DESIGN.md invariant 2)::
 
     FREE ──acquire()──> ASSIGNED(ticket) ──lease(ticket)──> LEASED ──last view dies──> FREE
                               └────────release(ticket)──────────────────────────────────┘
-    (a worker's private slot) ──adopt(fd)──────────────────> LEASED
+    (a worker's own slot) ──adopt(fd)──────────────────────> LEASED
 
 ``acquire`` hands out a :class:`Ticket` (slot id + generation). The task that holds it either
-turns it into a lease (the batch arrived) or releases it (the task failed or was cancelled),
-once. A task sent without a slot (before the ring knows the batch size, or when every slot is
-out) has its worker write the batch into a slot of its own (:meth:`Arena.private`); the ring
-adopts it on arrival, already leased to that batch, or maps it once for that batch alone.
+turns it into a :class:`Lease` (the batch arrived) or releases it (the task failed or was
+cancelled), once. A task sent without a slot (before the ring knows the batch size, or when
+every slot is out) has its worker write the batch into a slot of its own; the ring adopts it
+on arrival, already leased to that batch, or maps it once for that batch alone.
 
 A ticket of an older generation is stale: using it changes nothing, and raises
 :class:`SlotOwnershipError` when ``FASTFEED_STRICT_RING=1`` (the test suite sets it), so a path
 that releases twice can never free a slot another task owns.
 
-A lease is a fresh numpy view of the slot. Every tensor of a delivered batch is a view of it,
-so the slot returns only when nothing references the batch any more. A copy that the ring
-cannot see (the GPU reading the slot on a stream) is declared with :meth:`SlotRing.fence`:
-the slot is not handed out again until every fence on it reports completion, whatever path
-dropped the batch. When every slot is out, tasks are sent without one and their private slots
-die with their batches, as torch's shared memory would: nothing is ever overwritten, and the
-ring stays bounded by ``max_slots × slot_bytes``.
+Every array of a delivered batch is a view of its lease's memory, so the slot returns only
+when nothing references the batch any more. A reader the ring cannot see (the GPU copying the
+slot on a stream) is declared with :meth:`Lease.fence`: the slot is not handed out again until
+every fence on it reports completion, whatever path dropped the batch.
 """
 
 from __future__ import annotations
@@ -38,40 +30,40 @@ import enum
 import logging
 import mmap
 import os
-import sys
 import threading
 import warnings
 import weakref
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
-from multiprocessing.reduction import DupFd, recv_handle, send_handle
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
-import torch
 
 from fastfeed._proc import available_memory
 from fastfeed.pinning import Pinner
+from fastfeed.ring.memory import map_slot, new_memfd, round_up
 
-__all__ = [
-    "Arena",
-    "Fence",
-    "SlotOwnershipError",
-    "SlotRing",
-    "Ticket",
-    "WorkerSlots",
-    "ring_supported",
-]
+__all__ = ["Fence", "Lease", "SlotOwnershipError", "SlotRing", "Ticket", "slot_budget"]
 
 logger = logging.getLogger(__name__)
 
-ALIGN = 64
 # Variable-size batches (detection targets, ragged tensors) vary around the first size seen.
 _HEADROOM = 1.25
 # The ring may take at most this share of the memory the kernel reports as available.
 _MAX_SHARE_OF_AVAILABLE = 0.5
+# Beyond the slots of in-flight tasks: the batch being decoded and the one the user still holds.
+_SPARE_SLOTS = 2
 # Misuse of a ticket is a bug in fastfeed: loud in tests, harmless (and logged) otherwise.
 STRICT = os.environ.get("FASTFEED_STRICT_RING") == "1"
+
+
+def slot_budget(tasks_in_flight: int, held_by_prefetch: int = 0,
+                ring_slots: int | None = None) -> int:
+    """How many slots a ring may hold: ``ring_slots`` when the user fixed it, else one for
+    every task in flight, the batch being decoded, the one the training loop still holds, and
+    the batches a device prefetcher holds."""
+    if ring_slots is not None:
+        return ring_slots
+    return tasks_in_flight + _SPARE_SLOTS + held_by_prefetch
 
 
 class SlotOwnershipError(RuntimeError):
@@ -79,7 +71,7 @@ class SlotOwnershipError(RuntimeError):
 
 
 class Fence(Protocol):
-    """What :meth:`SlotRing.fence` needs of an event: ``torch.cuda.Event`` is one."""
+    """What :meth:`Lease.fence` needs of an event: ``torch.cuda.Event`` is one."""
 
     def query(self) -> bool: ...
 
@@ -98,38 +90,6 @@ class _State(enum.Enum):
     FREE = "free"
     ASSIGNED = "assigned"  # a task's worker may be writing it
     LEASED = "leased"  # views of it are alive in the main process
-
-
-def ring_supported() -> bool:
-    """Return whether this platform can build a ring (Linux ``memfd_create``)."""
-    return hasattr(os, "memfd_create")
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
-def _new_memfd(name: str, nbytes: int) -> int:
-    fd = os.memfd_create(name, os.MFD_CLOEXEC)
-    try:
-        os.ftruncate(fd, nbytes)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def _map(fd: int, nbytes: int, populate: bool = False) -> mmap.mmap:
-    """Map a slot. ``populate`` (workers, which write every slot sooner or later) maps all
-    of its pages now, in one call, instead of a page fault per 4 KiB page on first write: for
-    a 38.5 MB slot another process wrote, 3-4 ms instead of 14-18 ms; for fresh pages, 23-29
-    instead of 30-36. The main process only reads slots (if the consumer touches the batch at
-    all) and maps lazily: populating there stalled the consumer while the ring grew.
-    """
-    flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
-    # Before Python 3.13, mmap keeps a dup of the fd while the mapping lives.
-    options = {"trackfd": False} if sys.version_info >= (3, 13) else {}
-    return mmap.mmap(fd, nbytes, flags=flags, **options)
 
 
 @dataclass(eq=False)
@@ -156,22 +116,40 @@ class _Slot:
         return self.state is _State.FREE and self.copies_done()
 
 
-def _close_slots(slots: dict[int, _Slot]) -> None:
-    """Close every slot, after the copies still reading any of them (shutdown only: the
-    mapping of a slot nothing leases goes with it, and a copy engine may still read it)."""
-    for slot in slots.values():
-        for fence in slot.fences:
-            fence.synchronize()
-        slot.fences.clear()
-        os.close(slot.fd)
-    slots.clear()
+class Lease:
+    """One batch's hold on a slot.
+
+    ``memory`` is a uint8 view of the slot; every array of the batch views it, and the slot
+    returns to the ring when the last of those views dies. A lease on memory outside the ring
+    (a worker's slot the ring could not keep) has nothing to fence: that memory is never
+    page-locked, so a copy from it is staged before the call returns.
+    """
+
+    __slots__ = ("_ring", "_slot", "memory")
+
+    def __init__(self, memory: np.ndarray, ring: SlotRing | None = None,
+                 slot: _Slot | None = None) -> None:
+        self.memory = memory
+        self._ring = ring
+        self._slot = slot
+
+    @property
+    def pinned(self) -> bool:
+        """Whether the slot is page-locked: a GPU copy then reads it in place."""
+        return self._slot is not None and self._slot.pinned
+
+    def fence(self, fence: Fence) -> None:
+        """Keep the slot from reuse until ``fence.query()`` is True."""
+        if self._ring is not None and self._slot is not None:
+            self._ring._fence(self._slot, fence)
 
 
 class SlotRing:
     """The main process's side of the ring.
 
     Args:
-        max_slots: the most slots the ring holds; beyond that, batches take the ordinary path.
+        max_slots: the most slots the ring holds (see :func:`slot_budget`); beyond that,
+            batches take the ordinary path.
         pin: page-locks each new slot for the CUDA device batches are copied to (see
             :mod:`fastfeed.pinning`); ``None`` leaves slots pageable.
         slot_bytes: initial slot size; 0 means "learn it from the first batches".
@@ -180,7 +158,7 @@ class SlotRing:
     def __init__(self, max_slots: int, pin: Pinner | None = None, slot_bytes: int = 0) -> None:
         self.max_slots = max_slots
         self.pin = pin
-        self.slot_bytes = _round_up(slot_bytes, mmap.PAGESIZE)
+        self.slot_bytes = round_up(slot_bytes, mmap.PAGESIZE)
         self._slots: dict[int, _Slot] = {}
         self._next_id = 0
         # Leases die in whatever thread the garbage collector runs, possibly inside acquire()
@@ -194,8 +172,8 @@ class SlotRing:
         self._closer.atexit = False
 
     # -- sizing ------------------------------------------------------------------------------
-    def note_required(self, nbytes: int) -> None:
-        """Record that a batch needed ``nbytes`` of slot space; new slots will fit it.
+    def fit_batches_of(self, nbytes: int) -> None:
+        """Make new slots fit a batch that needed ``nbytes``.
 
         Fixed-size batches get slots of exactly their size. Once sizes are seen to vary
         (detection targets, ragged leaves), slots grow with headroom, so that they are not
@@ -205,7 +183,7 @@ class SlotRing:
         self._seen = nbytes
         if nbytes > self.slot_bytes:
             headroom = _HEADROOM if self._varies else 1.0
-            self.slot_bytes = _round_up(int(nbytes * headroom), mmap.PAGESIZE)
+            self.slot_bytes = round_up(int(nbytes * headroom), mmap.PAGESIZE)
 
     @property
     def nbytes(self) -> int:
@@ -265,8 +243,8 @@ class SlotRing:
             if slot is not None:
                 slot.state = _State.FREE
 
-    def lease(self, ticket: Ticket) -> np.ndarray:
-        """Turn ``ticket`` into a view of its slot; the slot returns when the view dies."""
+    def lease(self, ticket: Ticket) -> Lease:
+        """Turn ``ticket`` into its batch's lease; the slot returns when the views die."""
         with self._lock:
             slot = self._owned(ticket, _State.ASSIGNED, "lease")
             if slot is None:
@@ -274,9 +252,9 @@ class SlotRing:
                                          "was read")
             return self._lease(slot)
 
-    def adopt(self, fd: int) -> tuple[np.ndarray, list[_Slot]]:
+    def adopt(self, fd: int) -> tuple[Lease, list[_Slot]]:
         """Lease the slot a worker made for a batch sent without a ticket (see
-        :meth:`Arena.private`); ``fd`` is owned from now on.
+        :meth:`fastfeed.ring.Arena.private`); ``fd`` is owned from now on.
 
         The ring keeps the slot for later tasks when it has room and the slot fits the batches
         it expects: the worker has already faulted its pages in, so a short first epoch leaves
@@ -294,30 +272,22 @@ class SlotRing:
                     slot = self._install(owned, nbytes)
                     slot.generation += 1
                     return self._lease(slot), [slot]
-            return np.frombuffer(_map(fd, nbytes), dtype=np.uint8), []
+            return Lease(np.frombuffer(map_slot(fd, nbytes), dtype=np.uint8)), []
         finally:
             if fd >= 0:
                 os.close(fd)  # a one-off mapping holds its memory; nothing else needs the fd
 
-    def _lease(self, slot: _Slot) -> np.ndarray:
+    def _lease(self, slot: _Slot) -> Lease:
         # Under the lock, so that nothing sees the slot between hand-out and lease.
         slot.state = _State.LEASED
-        lease = slot.memory.view()
-        weakref.finalize(lease, self._returned.append,
+        memory = slot.memory.view()
+        weakref.finalize(memory, self._returned.append,
                          (slot.slot_id, slot.generation)).atexit = False
-        return lease
+        return Lease(memory, self, slot)
 
-    def fence(self, address: int, fence: Fence) -> bool:
-        """Keep the slot holding ``address`` from reuse until ``fence.query()`` is True.
-
-        Returns whether ``address`` lies in a slot of this ring.
-        """
+    def _fence(self, slot: _Slot, fence: Fence) -> None:
         with self._lock:
-            for slot in self._slots.values():
-                if slot.address <= address < slot.address + slot.nbytes:
-                    slot.fences.append(fence)
-                    return True
-        return False
+            slot.fences.append(fence)
 
     def close(self) -> None:
         """Drop every slot (after the copies still reading them). Memory still leased to user
@@ -351,12 +321,12 @@ class SlotRing:
                 slot.state = _State.FREE
 
     def _create(self, nbytes: int) -> _Slot:
-        return self._install(_new_memfd(f"fastfeed-slot-{self._next_id}", nbytes), nbytes)
+        return self._install(new_memfd(f"fastfeed-slot-{self._next_id}", nbytes), nbytes)
 
     def _install(self, fd: int, nbytes: int) -> _Slot:
         """Make the memory behind ``fd`` (owned from now on) the ring's next slot."""
         try:
-            memory = np.frombuffer(_map(fd, nbytes), dtype=np.uint8)
+            memory = np.frombuffer(map_slot(fd, nbytes), dtype=np.uint8)
             pinned = self.pin is not None and self.pin.register(memory)
         except BaseException:
             os.close(fd)
@@ -395,151 +365,12 @@ class SlotRing:
         self.__init__(**state)  # type: ignore[misc]
 
 
-class WorkerSlots:
-    """A worker's mappings of the ring's slots, kept in step over the control pipe."""
-
-    def __init__(self, control: Connection) -> None:
-        self._control = control
-        self._buffers: dict[int, torch.Tensor] = {}
-        self._largest_batch = 0
-
-    def arena(self, slot_id: int | None) -> Arena:
-        """Where a task's batch goes: its ring slot; without one, a private slot as large as
-        the largest batch so far; for the first batch, a counting arena (the codec then
-        sizes a private slot from the collated batch). Slots added or dropped since the last
-        task are applied first."""
-        self.sync()
-        if slot_id is not None:
-            return Arena(slot_id, self.buffer(slot_id))
-        if self._largest_batch:
-            return Arena.private(self._largest_batch)
-        return Arena()
-
-    def note_required(self, nbytes: int) -> None:
-        """Record the bytes a batch needed, to size the private slots of later ones."""
-        self._largest_batch = max(self._largest_batch, nbytes)
-
-    @staticmethod
-    def announce(control: Connection, pid: int, slot_id: int, nbytes: int, fd: int) -> None:
-        """Main-process side: hand a new slot to the worker behind ``control``."""
-        control.send(("add", slot_id, nbytes))
-        send_handle(control, fd, pid)
-
-    @staticmethod
-    def retire(control: Connection, slot_id: int) -> None:
-        """Main-process side: tell the worker to unmap a slot."""
-        control.send(("drop", slot_id))
-
-    def buffer(self, slot_id: int) -> torch.Tensor:
-        """The uint8 tensor over slot ``slot_id``, mapping it first if it is new."""
-        while slot_id not in self._buffers:
-            self._handle(self._control.recv())
-        return self._buffers[slot_id]
-
-    def sync(self) -> None:
-        """Apply every pending add or drop without blocking."""
-        while self._control.poll():
-            self._handle(self._control.recv())
-
-    def _handle(self, message: tuple) -> None:
-        if message[0] == "add":
-            _, slot_id, nbytes = message
-            fd = recv_handle(self._control)
-            try:
-                self._buffers[slot_id] = torch.frombuffer(_map(fd, nbytes, populate=True),
-                                                          dtype=torch.uint8)
-            finally:
-                os.close(fd)
-        else:
-            self._buffers.pop(message[1], None)
-
-
-def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    numel = 1
-    for size in shape:
-        numel *= size
-    return numel * dtype.itemsize
-
-
-class Arena:
-    """A bump allocator over one slot, for the tensors of one batch.
-
-    An arena without a buffer allocates nothing but still counts the bytes a batch needs, so
-    the first batches, sent before the ring knows the batch size, teach it.
-    """
-
-    def __init__(self, slot_id: int | None = None, buffer: torch.Tensor | None = None) -> None:
-        self.slot_id = slot_id
-        self.buffer = buffer
-        self.used = 0
-        self.overflow = 0
-        self._memfd: weakref.finalize | None = None
-
-    @classmethod
-    def private(cls, nbytes: int) -> Arena:
-        """An arena over a new slot of the worker's own, for a task sent without a ticket.
-
-        :meth:`hand_over` passes it to the main process, which adopts it into the ring
-        (:meth:`SlotRing.adopt`). Its file descriptor closes with the arena if it never leaves.
-        """
-        nbytes = _round_up(nbytes, mmap.PAGESIZE)
-        fd = _new_memfd("fastfeed-worker-slot", nbytes)
-        try:
-            buffer = torch.frombuffer(_map(fd, nbytes, populate=True), dtype=torch.uint8)
-        except BaseException:
-            os.close(fd)
-            raise
-        arena = cls(None, buffer)
-        arena._memfd = weakref.finalize(arena, os.close, fd)
-        return arena
-
-    def hand_over(self) -> Any:
-        """A picklable handle on a private slot's memory (``None`` for others), which the main
-        process redeems once with ``.detach()``; this arena's descriptor closes."""
-        detached = None if self._memfd is None else self._memfd.detach()
-        if detached is None:
-            return None
-        fd = detached[2][0]
-        try:
-            return DupFd(fd)  # a duplicate, served to the main process on request
-        finally:
-            os.close(fd)
-
-    @property
-    def required(self) -> int:
-        """Bytes this batch needs to fit in a slot."""
-        return self.used + self.overflow
-
-    def allocate(self, nbytes: int) -> int | None:
-        """Reserve ``nbytes``; return the byte offset, or None (and count it) if it won't fit."""
-        start = _round_up(self.used, ALIGN)
-        if self.buffer is None or start + nbytes > self.buffer.numel():
-            self.overflow += _round_up(nbytes, ALIGN)
-            return None
-        self.used = start + nbytes
-        return start
-
-    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
-        """A contiguous tensor in the slot, or None if the slot has no room."""
-        nbytes = _nbytes(shape, dtype)
-        offset = self.allocate(nbytes)
-        if offset is None:
-            return None
-        assert self.buffer is not None
-        return self.buffer[offset : offset + nbytes].view(dtype).view(shape)
-
-    def empty_or_new(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """A tensor in the slot if it has room, else an ordinary one."""
-        tensor = self.empty(shape, dtype)
-        if tensor is not None:
-            return tensor
-        # Not counted twice: the codec counts this tensor when it finds no room to copy it.
-        self.overflow -= _round_up(_nbytes(shape, dtype), ALIGN)
-        return torch.empty(shape, dtype=dtype)
-
-    def owns(self, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor`` lives in this arena's slot."""
-        return (
-            self.buffer is not None
-            and tensor.untyped_storage().data_ptr() == self.buffer.untyped_storage().data_ptr()
-        )
+def _close_slots(slots: dict[int, _Slot]) -> None:
+    """Close every slot, after the copies still reading any of them (shutdown only: the
+    mapping of a slot nothing leases goes with it, and a copy engine may still read it)."""
+    for slot in slots.values():
+        for fence in slot.fences:
+            fence.synchronize()
+        slot.fences.clear()
+        os.close(slot.fd)
+    slots.clear()

@@ -1,0 +1,167 @@
+"""Everything that crosses between the main process and a worker, as frozen messages.
+
+The protocol, per worker (a thread worker follows it too, with the control pipe absent)::
+
+    main process                                  worker
+    ────────────                                  ──────
+    start(WorkerConfig)                 ───────>  seed, worker_init_fn, build the fetcher
+    SlotAdded (+ its fd) / SlotDropped  ─pipe──>  map / unmap; applied before every Task
+    Task(seq, index, slot_id)           ───────>  fetch, collate into the slot, encode
+                                        <───────  Answer(seq, Produced | ReplicaEnded | Failed)
+    StartEpoch(epoch, dataset_state)    ───────>  (persistent workers) a new fetcher
+                                        <───────  EpochStarted(epoch)
+    Stop()                              ───────>  exit
+
+Rules both sides rely on:
+
+* A worker answers its tasks in the order it was given them, each exactly once, until it is
+  stopped or the pool shuts down (then queued tasks are skipped unanswered; the main process
+  takes their slots back once the worker has exited).
+* After ``ReplicaEnded`` (its IterableDataset replica is exhausted) a worker answers nothing
+  more in that epoch: the tasks queued behind it never run, and the main process cancels them.
+* ``EpochStarted`` comes after the answers to every task of the previous epoch, so once every
+  worker has acknowledged, nothing of the old epoch is still on its way.
+* A ``Task`` names a slot the worker was told of (``SlotAdded``) before the task was sent, or
+  none: the worker then writes the batch to a slot of its own, handed over in ``Encoded``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torch._utils import ExceptionWrapper
+
+__all__ = [
+    "Answer",
+    "Encoded",
+    "EpochStarted",
+    "Failed",
+    "Produced",
+    "ReplicaEnded",
+    "SlotAdded",
+    "SlotDropped",
+    "StartEpoch",
+    "Stop",
+    "Task",
+    "WorkerConfig",
+]
+
+
+# -- at start ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Everything a worker needs, picklable for spawn and forkserver."""
+
+    dataset: Any
+    iterable: bool
+    auto_collation: bool
+    collate_fn: Callable[[Any], Any]
+    drop_last: bool
+    base_seed: int
+    worker_init_fn: Callable[[int], None] | None
+    worker_id: int
+    num_workers: int
+    dataset_state: Any = None  # resume this IterableDataset replica from a snapshot
+    thread: bool = False
+    deterministic: bool = False
+
+
+# -- main process -> worker: the task queue ----------------------------------------------------
+
+@dataclass(frozen=True)
+class Task:
+    """Load the batch of ``index``; write it into ring slot ``slot_id`` (None: a slot of the
+    worker's own)."""
+
+    seq: int
+    index: Any
+    slot_id: int | None
+
+
+@dataclass(frozen=True)
+class StartEpoch:
+    """Start epoch ``epoch`` on a persistent worker, from ``dataset_state`` (a loader
+    snapshot's IterableDataset replica state) if given."""
+
+    epoch: int
+    dataset_state: Any = None
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Exit once the tasks queued before this are done."""
+
+
+# -- main process -> worker: the control pipe (process workers with a ring) ------------------
+
+@dataclass(frozen=True)
+class SlotAdded:
+    """A new ring slot; its file descriptor follows on the pipe (``send_handle``)."""
+
+    slot_id: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class SlotDropped:
+    """Unmap this slot: the ring dropped it (it was smaller than batches now need)."""
+
+    slot_id: int
+
+
+# -- worker -> main process: the result queue --------------------------------------------------
+
+@dataclass(frozen=True)
+class Encoded:
+    """A batch as it crosses from a worker process: its slot, the pickled structure, the bytes
+    it needed, and, for a task sent without a slot, a handle on the slot of the worker's own
+    that holds it (redeemed once with ``.detach()``)."""
+
+    slot_id: int | None
+    payload: bytes
+    required: int
+    private_slot: Any = None
+
+
+@dataclass(frozen=True)
+class Produced:
+    """A batch: ``Encoded`` from a process, the batch itself from a thread or the main
+    process; with the worker's timings, the samples it skipped, and its IterableDataset
+    ``state_dict()`` after the fetch."""
+
+    batch: Any
+    fetch_s: float
+    collate_s: float
+    dataset_state: Any = None
+    skipped: int = 0
+
+
+@dataclass(frozen=True)
+class ReplicaEnded:
+    """The worker's IterableDataset replica is exhausted."""
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The task (or the worker's start) raised; ``error`` carries the type, message and the
+    worker's traceback."""
+
+    error: ExceptionWrapper
+
+
+@dataclass(frozen=True)
+class Answer:
+    """The outcome of task ``seq``."""
+
+    seq: int
+    outcome: Produced | ReplicaEnded | Failed
+
+
+@dataclass(frozen=True)
+class EpochStarted:
+    """A persistent worker's acknowledgement of :class:`StartEpoch`."""
+
+    epoch: int

@@ -1,0 +1,154 @@
+"""The worker's side of the ring: its mappings of the slots, and the arena a batch is
+written into.
+
+The main process announces each slot over the worker's control pipe (:class:`SlotAdded` with
+the file descriptor, :class:`SlotDropped`); the worker maps each slot once and reuses the
+mapping for every batch it writes there.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import weakref
+from multiprocessing.connection import Connection
+from multiprocessing.reduction import DupFd, recv_handle
+from typing import Any
+
+import torch
+
+from fastfeed.protocol import SlotAdded, SlotDropped
+from fastfeed.ring.memory import ALIGN, map_slot, new_memfd, round_up
+
+__all__ = ["Arena", "WorkerSlots"]
+
+
+class WorkerSlots:
+    """A worker's mappings of the ring's slots, kept in step over the control pipe."""
+
+    def __init__(self, control: Connection) -> None:
+        self._control = control
+        self._buffers: dict[int, torch.Tensor] = {}
+        self._largest_batch = 0  # bytes: the size of the slots this worker makes itself
+
+    def arena(self, slot_id: int | None) -> Arena:
+        """Where a task's batch goes: its ring slot; without one, a slot of the worker's own
+        as large as the largest batch so far; for the first batch, a counting arena (the codec
+        then sizes a slot of the worker's own from the collated batch). Slots added or dropped
+        since the last task are applied first."""
+        self._apply_pending()
+        if slot_id is not None:
+            return Arena(slot_id, self._buffer(slot_id))
+        if self._largest_batch:
+            return Arena.private(self._largest_batch)
+        return Arena()
+
+    def written(self, nbytes: int) -> None:
+        """A batch needed ``nbytes``: the slots this worker makes itself will fit it."""
+        self._largest_batch = max(self._largest_batch, nbytes)
+
+    def _buffer(self, slot_id: int) -> torch.Tensor:
+        """The uint8 tensor over slot ``slot_id``, mapping it first if it is new."""
+        while slot_id not in self._buffers:
+            self._apply(self._control.recv())
+        return self._buffers[slot_id]
+
+    def _apply_pending(self) -> None:
+        while self._control.poll():
+            self._apply(self._control.recv())
+
+    def _apply(self, message: SlotAdded | SlotDropped) -> None:
+        if isinstance(message, SlotAdded):
+            fd = recv_handle(self._control)
+            try:
+                self._buffers[message.slot_id] = torch.frombuffer(
+                    map_slot(fd, message.nbytes, populate=True), dtype=torch.uint8)
+            finally:
+                os.close(fd)
+        else:
+            self._buffers.pop(message.slot_id, None)
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    numel = 1
+    for size in shape:
+        numel *= size
+    return numel * dtype.itemsize
+
+
+class Arena:
+    """A bump allocator over one slot, for the arrays of one batch.
+
+    An arena without a buffer allocates nothing but still counts the bytes a batch needs, so
+    the first batches, sent before the ring knows the batch size, teach it.
+    """
+
+    def __init__(self, slot_id: int | None = None, buffer: torch.Tensor | None = None) -> None:
+        self.slot_id = slot_id
+        self.buffer = buffer
+        self.used = 0
+        self.overflow = 0
+        self._memfd: weakref.finalize | None = None
+
+    @classmethod
+    def private(cls, nbytes: int) -> Arena:
+        """An arena over a new slot of the worker's own, for a task sent without a ticket.
+
+        :meth:`hand_over` passes it to the main process, which adopts it into the ring
+        (:meth:`fastfeed.ring.SlotRing.adopt`). Its file descriptor closes with the arena if
+        it never leaves.
+        """
+        nbytes = round_up(nbytes, mmap.PAGESIZE)
+        fd = new_memfd("fastfeed-worker-slot", nbytes)
+        try:
+            buffer = torch.frombuffer(map_slot(fd, nbytes, populate=True), dtype=torch.uint8)
+        except BaseException:
+            os.close(fd)
+            raise
+        arena = cls(None, buffer)
+        arena._memfd = weakref.finalize(arena, os.close, fd)
+        return arena
+
+    def hand_over(self) -> Any:
+        """A picklable handle on a private slot's memory (``None`` for others), which the main
+        process redeems once with ``.detach()``; this arena's descriptor closes."""
+        detached = None if self._memfd is None else self._memfd.detach()
+        if detached is None:
+            return None
+        fd = detached[2][0]
+        try:
+            return DupFd(fd)  # a duplicate, served to the main process on request
+        finally:
+            os.close(fd)
+
+    @property
+    def required(self) -> int:
+        """Bytes this batch needs to fit in a slot."""
+        return self.used + self.overflow
+
+    def allocate(self, nbytes: int) -> int | None:
+        """Reserve ``nbytes``; return the byte offset, or None (and count it) if it won't fit."""
+        start = round_up(self.used, ALIGN)
+        if self.buffer is None or start + nbytes > self.buffer.numel():
+            self.overflow += round_up(nbytes, ALIGN)
+            return None
+        self.used = start + nbytes
+        return start
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A contiguous tensor in the slot if it has room, else an ordinary one (which the
+        codec counts, and sends by torch's own path, when it finds no room to copy it)."""
+        nbytes = _nbytes(shape, dtype)
+        offset = self.allocate(nbytes)
+        if offset is None:
+            self.overflow -= round_up(nbytes, ALIGN)  # not counted twice
+            return torch.empty(shape, dtype=dtype)
+        assert self.buffer is not None
+        return self.buffer[offset : offset + nbytes].view(dtype).view(shape)
+
+    def owns(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` lives in this arena's slot."""
+        return (
+            self.buffer is not None
+            and tensor.untyped_storage().data_ptr() == self.buffer.untyped_storage().data_ptr()
+        )
