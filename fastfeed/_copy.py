@@ -7,17 +7,21 @@ never depend on which path ran.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
 try:
-    from fastfeed import _C  # type: ignore[attr-defined]
+    # By name: an extension module is no layer of the package (see pyproject's import contract).
+    _C: Any = importlib.import_module("fastfeed._C")
 except ImportError:  # built without a compiler: the pure-torch path takes over
     _C = None
 
-__all__ = ["extension_loaded", "set_copy_threads", "stack_hwc_to_chw", "stack_into"]
+__all__ = ["bytes_are_values", "extension_loaded", "set_copy_threads", "stack_hwc_to_chw",
+           "stack_into"]
 
 # Threads per gather; 0 lets the extension use every core. A worker process sets its share of
 # the cores: two workers on two cores, each starting two threads per batch, would fight over
@@ -29,6 +33,25 @@ def set_copy_threads(threads: int) -> None:
     """Set the threads each gather in this process may use (0: every core)."""
     global _copy_threads
     _copy_threads = max(0, int(threads))
+
+
+def bytes_are_values(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a plain strided CPU tensor whose raw bytes are its values, which
+    fastfeed may copy as bytes: exactly ``torch.Tensor`` (subclasses and autograd leaves keep
+    torch's own handling), not a lazy conjugate or negative view, not quantized."""
+    return (
+        type(tensor) is torch.Tensor
+        and tensor.is_cpu  # a fifth of the cost of tensor.device.type, paid per sample
+        and tensor.layout == torch.strided
+        and not tensor.requires_grad
+        and not tensor.is_quantized
+        and not _lazy_view(tensor)
+    )
+
+
+def _lazy_view(tensor: torch.Tensor) -> bool:
+    """A lazy conjugate or negative view: its bytes are not its values."""
+    return tensor.is_conj() or tensor.is_neg()
 
 
 def extension_loaded() -> bool:
@@ -48,8 +71,7 @@ def stack_into(out: torch.Tensor, samples: Sequence[torch.Tensor], threads: int 
     if (
         _C is not None
         and out.is_contiguous()
-        # Raw bytes only where they are the values: not for lazy conjugate or negative views.
-        and all(s.dtype == out.dtype and s.is_contiguous() and not s.is_conj() and not s.is_neg()
+        and all(s.dtype == out.dtype and s.is_contiguous() and not _lazy_view(s)
                 for s in samples)
         and all(s.shape == out.shape[1:] for s in samples)
     ):

@@ -18,24 +18,12 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from fastfeed._copy import bytes_are_values
 from fastfeed.protocol import Encoded
 from fastfeed.ring.arena import Arena
 from fastfeed.ring.slots import Lease
 
 __all__ = ["decode", "encode"]
-
-
-def _slot_eligible_tensor(obj: Any) -> bool:
-    # Exactly torch.Tensor: subclasses and autograd leaves keep torch's own pickling.
-    return (
-        type(obj) is torch.Tensor
-        and obj.device.type == "cpu"
-        and obj.layout == torch.strided
-        and not obj.requires_grad
-        and not obj.is_conj()
-        and not obj.is_neg()
-        and not obj.is_quantized
-    )
 
 
 # A storage up to this many times larger than the tensor viewing it is copied whole (views
@@ -70,7 +58,7 @@ class _SlotPickler(ForkingPickler):
         seen = self._seen.get(id(obj))
         if seen is not None:
             return seen[1]
-        if _slot_eligible_tensor(obj):
+        if bytes_are_values(obj):
             pid = self._tensor_id(obj)
         elif type(obj) is np.ndarray and not obj.dtype.hasobject:
             pid = self._array_id(obj)
@@ -161,7 +149,7 @@ def encode(batch: Any, arena: Arena) -> Encoded:
             arena = Arena.private(needed)
     file = io.BytesIO()
     _SlotPickler(file, arena).dump(batch)
-    return Encoded(arena.slot_id, file.getvalue(), arena.required, arena.hand_over())
+    return Encoded(arena.slot_id, file.getvalue(), arena.required, arena.export_private_slot())
 
 
 class _SlotUnpickler(pickle.Unpickler):

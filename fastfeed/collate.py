@@ -21,13 +21,14 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
-from fastfeed._copy import stack_into
+from fastfeed._copy import bytes_are_values, stack_hwc_to_chw, stack_into
 from fastfeed._torch_compat import collate_tensor_fn, collate_with, default_collate
 
 __all__ = ["CollateInto", "Empty", "SlotCollate", "as_collate_into", "default_collate_into",
-           "stackable", "torch_empty"]
+           "gather_images", "stackable", "torch_empty"]
 
 Empty = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
 CollateInto = Callable[[list, Empty], Any]
@@ -50,17 +51,8 @@ def torch_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 def stackable(samples: Sequence[Any]) -> bool:
     """Whether ``samples`` are plain CPU tensors of one shape and dtype (the fast stack)."""
     first = samples[0]
-    return all(
-        type(s) is torch.Tensor
-        and s.dtype == first.dtype
-        and s.shape == first.shape
-        and s.is_cpu  # a fifth of the cost of s.device.type, paid per sample
-        and s.layout == torch.strided
-        and not s.requires_grad
-        and not s.is_conj()  # lazy conjugate and negative views: their bytes are not their values
-        and not s.is_neg()
-        for s in samples
-    )
+    return all(bytes_are_values(s) and s.dtype == first.dtype and s.shape == first.shape
+               for s in samples)
 
 
 def _stack_into(empty: Empty, samples: Sequence[torch.Tensor], *,
@@ -75,6 +67,31 @@ def _stack_into(empty: Empty, samples: Sequence[torch.Tensor], *,
 def default_collate_into(samples: list, empty: Empty) -> Any:
     """Collate ``samples`` exactly as ``default_collate`` would, stacking into ``empty``."""
     return collate_with(samples, partial(_stack_into, empty))
+
+
+def gather_images(images: Sequence[np.ndarray | torch.Tensor], empty: Empty,
+                  reverse_channels: Sequence[bool] | None = None) -> torch.Tensor:
+    """Stack a batch's images into one tensor from ``empty``, in one pass.
+
+    uint8 ``H×W×C`` numpy arrays (OpenCV-style, any strides) become ``N×C×H×W``, channels read
+    last to first where ``reverse_channels`` says so; tensors are stacked as they are.
+
+    Raises:
+        ValueError: the batch is empty, or its images differ in shape.
+    """
+    if not images:
+        raise ValueError("cannot collate an empty batch")
+    shapes = {tuple(image.shape) for image in images}
+    if len(shapes) != 1:
+        raise ValueError(f"fastfeed: the images of one batch differ in shape: {sorted(shapes)}")
+    if isinstance(images[0], np.ndarray):
+        height, width, channels = images[0].shape
+        out = empty((len(images), channels, height, width), torch.uint8)
+        stack_hwc_to_chw(out, images, reverse_channels)
+    else:
+        out = empty((len(images), *images[0].shape), images[0].dtype)
+        stack_into(out, images)  # type: ignore[arg-type]
+    return out
 
 
 def _ignore_empty(collate_fn: Callable[[list], Any], samples: list, empty: Empty) -> Any:

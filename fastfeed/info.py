@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.metadata
-import importlib.util
 import platform
 import shutil
 
@@ -60,9 +59,6 @@ def collect() -> dict[str, str]:
     """Gather the facts ``fastfeed info`` prints, as strings."""
     cuda = torch.cuda.is_available()
     nvml = nvml_status()
-    dali = importlib.util.find_spec("nvidia") is not None and (
-        importlib.util.find_spec("nvidia.dali") is not None
-    )
     return {
         "fastfeed": fastfeed.__version__,
         "python": platform.python_version(),
@@ -85,7 +81,7 @@ def collect() -> dict[str, str]:
         "NVML": f"driver {nvml.driver}, {len(nvml.gpus)} GPU(s)"
         if nvml.available
         else f"unavailable ({nvml.reason})",
-        "DALI": "installed" if dali else "not installed (pip install 'fastfeed[dali]')",
+        "DALI": _client("nvidia-dali-cuda120", "pip install 'fastfeed[dali]'"),
         "torchvision": _client("torchvision", "fastfeed.vision.accelerate needs it"),
         "Ultralytics": _client("ultralytics", "pip install 'fastfeed[ultralytics]'"),
         "CPUs (affinity)": str(available_cpus()),

@@ -25,7 +25,7 @@ from fastfeed.device import (
 from fastfeed.iterators import (
     BaseIterator,
     IteratorSetup,
-    Learned,
+    CarryOver,
     SingleProcessIterator,
     WorkerPoolIterator,
 )
@@ -208,21 +208,21 @@ class FastLoader(DataLoader):
         self._copy_stream: Any = None  # one per loader, created on first use
         self._ring: SlotRing | None = None  # one per loader, created on first use
         self._live_iterator: Callable[[], Any] = lambda: None
-        self._learned = Learned()  # what iterators learn for the next ones
+        self._carry_over = CarryOver()  # what iterators learn for the next ones
         self._decided_mode = False
 
     def __setattr__(self, name: str, value: Any) -> None:
         # A count set by hand replaces the tuner's. Subclasses may set num_workers before
         # calling __init__ (litdata's StreamingDataLoader does), when there is no tuner yet.
-        learned = self.__dict__.get("_learned")
-        if name == "num_workers" and learned is not None:
-            learned.workers = None
+        carry_over = self.__dict__.get("_carry_over")
+        if name == "num_workers" and carry_over is not None:
+            carry_over.workers = None
         super().__setattr__(name, value)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__
         runtime = ("_telemetry", "_gpu_sampler", "_target", "_copy_stream", "_ring",
-                   "_live_iterator", "_learned", "_decided_mode", "_iterator")
+                   "_live_iterator", "_carry_over", "_decided_mode", "_iterator")
         return {k: v for k, v in state.items() if k not in runtime}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -232,7 +232,7 @@ class FastLoader(DataLoader):
 
     def _sync_tuned_workers(self) -> None:
         """With ``num_workers="auto"``, ``num_workers`` follows the tuner between epochs."""
-        tuned = self._learned.workers
+        tuned = self._carry_over.workers
         if tuned is not None and tuned != self.num_workers:
             self.__dict__["num_workers"] = tuned
 
@@ -278,7 +278,7 @@ class FastLoader(DataLoader):
             return self.worker_mode
         if is_iterable_dataset(self.dataset) or self.deterministic or self.persistent_workers:
             return "process"
-        rates = self._learned.epoch_rates
+        rates = self._carry_over.epoch_rates
         for mode in ("process", "thread"):
             if mode not in rates:
                 return mode
@@ -313,14 +313,14 @@ class FastLoader(DataLoader):
         # Replicas of an IterableDataset shard by worker count: keep it fixed.
         tuner = None
         if self.autotune and not is_iterable_dataset(self.dataset):
-            tuner = self._learned.tuner or WorkerTuner(self.num_workers, self._max_workers)
+            tuner = self._carry_over.tuner or WorkerTuner(self.num_workers, self._max_workers)
             tuner.restart(self.num_workers)
-            self._learned.tuner = tuner
+            self._carry_over.tuner = tuner
         worker_mode = self._worker_mode_for_next_iterator()
         split = batch_tail_split(self.dataset, self.collate_fn, self._auto_collation)
         return IteratorSetup(
             telemetry=self._telemetry,
-            learned=self._learned,
+            carry_over=self._carry_over,
             worker_mode=worker_mode,
             tuner=tuner,
             ring=self._ring_for(worker_mode),
@@ -363,7 +363,7 @@ class FastLoader(DataLoader):
         Running persistent workers are let go: the next ``iter()`` starts new ones, seeded as
         those of the run the state comes from.
         """
-        self._learned.resume = LoaderState.from_dict(state_dict)
+        self._carry_over.resume = LoaderState.from_dict(state_dict)
         self._iterator = None
 
     def __iter__(self) -> Any:

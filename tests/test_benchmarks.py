@@ -21,6 +21,7 @@ def test_train_step_runs_on_cpu(tmp_path):
               "--repeats", "1", "--json", str(tmp_path / "t.json"))
     assert "| fastfeed |" in out and "| stock |" in out and "| synthetic |" in out
     summary = json.loads((tmp_path / "t.json").read_text())["summary"]
+    assert set(summary) == {"fastfeed", "stock", "synthetic"}
     assert all(0 <= s["stall_pct"] <= 100 for s in summary.values())
 
 

@@ -106,7 +106,7 @@ def worker_slot(nbytes, value):
     """What a worker hands over for a task sent without a slot: a slot of its own, written."""
     arena = Arena.private(nbytes)
     arena.buffer.fill_(value)
-    return arena.hand_over().detach()
+    return arena.export_private_slot().detach()
 
 
 def test_an_adopted_slot_is_leased_to_its_batch_then_handed_out():

@@ -4,8 +4,8 @@ stage through the contract of :class:`BaseIterator`."""
 
 from fastfeed.iterators.base import BaseIterator, HostBatch, Position
 from fastfeed.iterators.pool import WorkerPoolIterator
-from fastfeed.iterators.setup import IteratorSetup, Learned
+from fastfeed.iterators.setup import IteratorSetup, CarryOver
 from fastfeed.iterators.single import SingleProcessIterator
 
-__all__ = ["BaseIterator", "HostBatch", "IteratorSetup", "Learned", "Position",
+__all__ = ["BaseIterator", "HostBatch", "IteratorSetup", "CarryOver", "Position",
            "SingleProcessIterator", "WorkerPoolIterator"]

@@ -86,7 +86,7 @@ class BaseIterator:
             )
 
         self._random = RandomSources.of(loader)
-        resume = setup.learned.take_resume()
+        resume = setup.carry_over.take_resume()
         if resume is not None:
             resume.epoch_start.restore(self._random)
         self._epoch_start = EpochStart.capture(self._random)

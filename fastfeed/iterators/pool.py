@@ -295,7 +295,7 @@ class WorkerPoolIterator(BaseIterator):
         made (adopted into the ring when it fits)."""
         if ticket is not None:
             assert self.ring is not None
-            if batch is not None and batch.slot_id == ticket.slot_id:
+            if batch is not None:  # written into the ticket's slot (the protocol's rule)
                 return self.ring.lease(ticket)
             self.ring.release(ticket)
         elif batch is not None and batch.private_slot is not None:
@@ -336,7 +336,7 @@ class WorkerPoolIterator(BaseIterator):
     def _epoch_finished(self) -> None:
         if self._num_yielded:
             rate = self._num_yielded / max(time.perf_counter() - self._epoch_clock, 1e-9)
-            self._setup.learned.epoch_rates.setdefault(self._backend.kind, rate)
+            self._setup.carry_over.epoch_rates.setdefault(self._backend.kind, rate)
         if not self._persistent_workers:
             self._shutdown_workers()
 
@@ -369,7 +369,7 @@ class WorkerPoolIterator(BaseIterator):
             if self._workers.retire(worker_id):
                 self._stop_worker(worker_id)
         self._size_ring()
-        self._setup.learned.workers = self._workers.serving  # where the next epoch starts
+        self._setup.carry_over.workers = self._workers.serving  # where the next epoch starts
         self._fill()
 
     # -- shutdown ----------------------------------------------------------------------------

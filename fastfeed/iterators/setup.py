@@ -16,13 +16,14 @@ from fastfeed.resume import LoaderState
 from fastfeed.ring import SlotRing
 from fastfeed.telemetry import Telemetry
 
-__all__ = ["IteratorSetup", "Learned"]
+__all__ = ["IteratorSetup", "CarryOver"]
 
 
 @dataclass
-class Learned:
-    """What one iterator learns for the next iterators of the same loader. Owned by the
-    loader; holds no reference to it, so an iterator keeping it makes no cycle."""
+class CarryOver:
+    """What a loader carries from one iterator to the next: what the last one learned, and a
+    state to resume from. Owned by the loader; holds no reference to it, so an iterator
+    keeping it makes no cycle."""
 
     epoch_rates: dict[str, float] = field(default_factory=dict)  # first epoch, per worker mode
     workers: int | None = None  # where the tuner settled
@@ -39,7 +40,7 @@ class IteratorSetup:
     """The loader's decisions for one iterator."""
 
     telemetry: Telemetry
-    learned: Learned
+    carry_over: CarryOver
     worker_mode: str = "process"  # "process" or "thread" ("auto" is resolved by the loader)
     tuner: WorkerTuner | None = None
     ring: SlotRing | None = None  # the loader's ring, for process workers

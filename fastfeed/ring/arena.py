@@ -94,7 +94,7 @@ class Arena:
     def private(cls, nbytes: int) -> Arena:
         """An arena over a new slot of the worker's own, for a task sent without a ticket.
 
-        :meth:`hand_over` passes it to the main process, which adopts it into the ring
+        :meth:`export_private_slot` passes it to the main process, which adopts it into the ring
         (:meth:`fastfeed.ring.SlotRing.adopt`). Its file descriptor closes with the arena if
         it never leaves.
         """
@@ -109,7 +109,7 @@ class Arena:
         arena._memfd = weakref.finalize(arena, os.close, fd)
         return arena
 
-    def hand_over(self) -> Any:
+    def export_private_slot(self) -> Any:
         """A picklable handle on a private slot's memory (``None`` for others), which the main
         process redeems once with ``.detach()``; this arena's descriptor closes."""
         detached = None if self._memfd is None else self._memfd.detach()

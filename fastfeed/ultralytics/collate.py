@@ -18,13 +18,10 @@ import numpy as np
 import torch
 from torch.utils.data import get_worker_info
 
-from fastfeed._copy import stack_hwc_to_chw, stack_into
+from fastfeed.collate import Empty, gather_images, torch_empty
 
 __all__ = ["FormattedImage", "InWorkers", "SlotCollate", "draws_reverse", "flatten",
            "format_into_slot", "gathers_images"]
-
-Empty = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
-
 
 class FormattedImage(NamedTuple):
     """An image ``Format`` left for the collate: its ``H×W×C`` view and channel order."""
@@ -110,7 +107,7 @@ class SlotCollate:
         self.collate_fn = collate_fn
 
     def __call__(self, samples: list[dict]) -> dict:
-        return self.collate_into(samples, lambda shape, dtype: torch.empty(shape, dtype=dtype))
+        return self.collate_into(samples, torch_empty)
 
     def collate_into(self, samples: list[dict], empty: Empty) -> dict:
         """Collate ``samples``, taking ``batch["img"]`` from ``empty(shape, dtype)``."""
@@ -120,15 +117,6 @@ class SlotCollate:
 
     def gather(self, images: list, empty: Empty) -> torch.Tensor:
         """The batch's images as one tensor from ``empty``."""
-        shapes = {tuple(image.hwc.shape if isinstance(image, FormattedImage) else image.shape)
-                  for image in images}
-        if len(shapes) != 1:
-            raise ValueError(f"fastfeed: the images of one batch differ in shape: {sorted(shapes)}")
-        if isinstance(images[0], FormattedImage):
-            height, width, channels = shapes.pop()
-            stacked = empty((len(images), channels, height, width), torch.uint8)
-            stack_hwc_to_chw(stacked, [i.hwc for i in images], [i.reverse for i in images])
-        else:
-            stacked = empty((len(images), *shapes.pop()), images[0].dtype)
-            stack_into(stacked, images)
-        return stacked
+        if images and isinstance(images[0], FormattedImage):
+            return gather_images([i.hwc for i in images], empty, [i.reverse for i in images])
+        return gather_images(images, empty)

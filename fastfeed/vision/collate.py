@@ -10,34 +10,14 @@ give the same result.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from fastfeed._copy import stack_hwc_to_chw, stack_into
+from fastfeed.collate import Empty, gather_images, torch_empty
 
 __all__ = ["ImageCollate", "YoloCollate"]
-
-Empty = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
-
-
-def _torch_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    return torch.empty(shape, dtype=dtype)
-
-
-def _images_nchw(images: Sequence[np.ndarray | torch.Tensor], empty: Empty) -> torch.Tensor:
-    if not images:
-        raise ValueError("cannot collate an empty batch")
-    if isinstance(images[0], np.ndarray):  # HWC
-        h, w, c = images[0].shape
-        out = empty((len(images), c, h, w), torch.uint8)
-        stack_hwc_to_chw(out, images)
-    else:  # CHW tensors
-        out = empty((len(images), *images[0].shape), images[0].dtype)
-        stack_into(out, images)  # type: ignore[arg-type]
-    return out
 
 
 class ImageCollate:
@@ -45,13 +25,13 @@ class ImageCollate:
     or HWC numpy arrays."""
 
     def collate_into(self, samples: list[Any], empty: Empty) -> tuple[torch.Tensor, torch.Tensor]:
-        images = _images_nchw([image for image, _ in samples], empty)
+        images = gather_images([image for image, _ in samples], empty)
         targets = empty((len(samples),), torch.int64)
         targets.copy_(torch.as_tensor([target for _, target in samples], dtype=torch.int64))
         return images, targets
 
     def __call__(self, samples: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.collate_into(samples, _torch_empty)
+        return self.collate_into(samples, torch_empty)
 
 
 class YoloCollate:
@@ -61,7 +41,7 @@ class YoloCollate:
     def collate_into(self, samples: list[dict], empty: Empty) -> dict[str, Any]:
         counts = [len(s["cls"]) for s in samples]
         return {
-            "img": _images_nchw([s["img"] for s in samples], empty),
+            "img": gather_images([s["img"] for s in samples], empty),
             "cls": torch.from_numpy(np.concatenate([s["cls"] for s in samples]).reshape(-1, 1)),
             "bboxes": torch.from_numpy(
                 np.concatenate([s["bboxes"] for s in samples]).reshape(-1, 4)),
@@ -72,4 +52,4 @@ class YoloCollate:
         }
 
     def __call__(self, samples: list[dict]) -> dict[str, Any]:
-        return self.collate_into(samples, _torch_empty)
+        return self.collate_into(samples, torch_empty)

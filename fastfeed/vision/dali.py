@@ -23,16 +23,7 @@ import torch.distributed as dist
 from fastfeed.device import resolve_device
 from fastfeed.vision.folder import ImageFolder
 
-__all__ = ["DaliLoader", "dali_available", "epoch_batches", "rank_seed"]
-
-
-def dali_available() -> bool:
-    """Whether ``nvidia.dali`` imports."""
-    try:
-        import nvidia.dali  # noqa: F401
-    except ImportError:
-        return False
-    return True
+__all__ = ["DaliLoader", "epoch_batches", "rank_seed"]
 
 
 def epoch_batches(samples: int, world_size: int, batch_size: int, drop_last: bool

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from fastfeed._imports import importable
 from fastfeed.loader import FastLoader
 from fastfeed.vision.collate import ImageCollate, YoloCollate
 from fastfeed.vision.folder import ImageFolder
@@ -21,13 +21,6 @@ logger = logging.getLogger("fastfeed")
 BACKENDS = ("auto", "cpu", "nvjpeg", "dali")
 
 
-def _has(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except ModuleNotFoundError:
-        return False
-
-
 def choose_backend(backend: str, device: Any, task: str) -> str:
     """Resolve ``"auto"``: for classification on a CUDA device, DALI if installed, else nvjpeg
     if torchvision is; otherwise cpu.
@@ -38,8 +31,8 @@ def choose_backend(backend: str, device: Any, task: str) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"backend should be one of {BACKENDS}, got {backend!r}")
     on_cuda = device is not None and torch.device(device).type == "cuda"
-    nvjpeg_ok = on_cuda and torch.cuda.is_available() and _has("torchvision")
-    dali_ok = _has("nvidia.dali")
+    nvjpeg_ok = on_cuda and torch.cuda.is_available() and importable("torchvision")
+    dali_ok = importable("nvidia.dali")
     if backend == "auto":
         chosen = "cpu"
         if on_cuda and task == "classify":
