@@ -48,8 +48,10 @@ def main() -> None:
     import fastfeed.ultralytics
 
     fastfeed.ultralytics.patch(fast_decode=args.fast_decode)  # the one line
-    YOLO(args.model).train(data=args.data, epochs=args.epochs, imgsz=args.imgsz,
-                           workers=args.workers, close_mosaic=1, plots=False)
+    model = YOLO(args.model)
+    model.train(data=args.data, epochs=args.epochs, imgsz=args.imgsz, workers=args.workers,
+                close_mosaic=1, plots=False)
+    print(f"trained on {type(model.trainer.train_loader).__name__}")
 
 
 if __name__ == "__main__":

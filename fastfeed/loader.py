@@ -24,8 +24,8 @@ from fastfeed.device import (
 )
 from fastfeed.iterators import (
     BaseIterator,
-    IteratorSetup,
     CarryOver,
+    IteratorSetup,
     SingleProcessIterator,
     WorkerPoolIterator,
 )
@@ -242,34 +242,12 @@ class FastLoader(DataLoader):
         Args:
             reset (bool): start counting afresh after this snapshot.
         """
-        t = self._telemetry
-        elapsed = t.elapsed
-        used, allocated = t.ring.occupancy if t.ring is not None else (0, 0)
         if self._gpu_sampler is None:
             self._gpu_sampler = self._new_gpu_sampler()
         self._sync_tuned_workers()
-        workers = self.num_workers
-        snapshot = LoaderStats(
-            batches=t.batches,
-            samples=t.samples,
-            elapsed_s=elapsed,
-            wait_fraction=min(1.0, t.waited / elapsed) if elapsed > 0 else 0.0,
-            stage_ms={stage: 1000 * t.stage_s[stage] / t.stage_batches[stage]
-                      if t.stage_batches[stage] else 0.0 for stage in t.stage_s},
-            workers=workers,
-            worker_mode=t.worker_mode if workers else "main process",
-            worker_utilization=min(1.0, t.worker_busy_s / (elapsed * workers))
-            if elapsed > 0 and workers else 0.0,
-            ring_slots_used=used,
-            ring_slots=allocated,
-            ring_mb=(t.ring.nbytes / 2**20) if t.ring is not None else 0.0,
-            skipped_samples=t.skipped,
-            gpu=self._gpu_sampler.average(),
-            gpu_status=self._gpu_sampler.status,
-            decisions=list(t.decisions),
-        )
+        snapshot = self._telemetry.snapshot(self.num_workers, self._gpu_sampler)
         if reset:
-            t.reset()
+            self._telemetry.reset()
         return snapshot
 
     def _worker_mode_for_next_iterator(self) -> str:

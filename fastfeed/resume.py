@@ -128,6 +128,22 @@ class LoaderState:
     draws_base_seed: bool = True
     base_seed: int | None = None
 
+    def replica_state(self, worker_id: int, num_workers: int) -> Any:
+        """The IterableDataset state replica ``worker_id`` resumes from (None: none saved).
+
+        Raises:
+            ValueError: the state holds another number of replicas than ``num_workers``.
+        """
+        if self.dataset_states is None:
+            return None
+        if len(self.dataset_states) != num_workers:
+            raise ValueError(
+                f"the loader state holds {len(self.dataset_states)} IterableDataset replica "
+                f"states but this loader has {num_workers} workers; resume with the same "
+                "num_workers"
+            )
+        return self.dataset_states[worker_id]
+
     def to_dict(self) -> dict[str, Any]:
         return {"version": STATE_VERSION, **asdict(self)}
 

@@ -268,3 +268,27 @@ class Telemetry:
         if self.first_request is None or self.last_delivery is None:
             return 0.0
         return self.last_delivery - self.first_request
+
+    def snapshot(self, workers: int, gpu: GpuSampler) -> LoaderStats:
+        """The counters as :class:`LoaderStats`, for a loader with ``workers`` workers."""
+        elapsed = self.elapsed
+        used, allocated = self.ring.occupancy if self.ring is not None else (0, 0)
+        return LoaderStats(
+            batches=self.batches,
+            samples=self.samples,
+            elapsed_s=elapsed,
+            wait_fraction=min(1.0, self.waited / elapsed) if elapsed > 0 else 0.0,
+            stage_ms={stage: 1000 * self.stage_s[stage] / self.stage_batches[stage]
+                      if self.stage_batches[stage] else 0.0 for stage in self.stage_s},
+            workers=workers,
+            worker_mode=self.worker_mode if workers else "main process",
+            worker_utilization=min(1.0, self.worker_busy_s / (elapsed * workers))
+            if elapsed > 0 and workers else 0.0,
+            ring_slots_used=used,
+            ring_slots=allocated,
+            ring_mb=(self.ring.nbytes / 2**20) if self.ring is not None else 0.0,
+            skipped_samples=self.skipped,
+            gpu=gpu.average(),
+            gpu_status=gpu.status,
+            decisions=list(self.decisions),
+        )

@@ -347,6 +347,7 @@ def test_example_trains_with_the_one_line(tmp_path):
                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "1 epochs completed" in out.stdout + out.stderr
+    assert "trained on InfiniteFastLoader" in out.stdout  # not Ultralytics' own loader
 
 
 # -- the reduced-scale decode ---------------------------------------------------------------

@@ -4,8 +4,15 @@ stage through the contract of :class:`BaseIterator`."""
 
 from fastfeed.iterators.base import BaseIterator, HostBatch, Position
 from fastfeed.iterators.pool import WorkerPoolIterator
-from fastfeed.iterators.setup import IteratorSetup, CarryOver
+from fastfeed.iterators.setup import CarryOver, IteratorSetup
 from fastfeed.iterators.single import SingleProcessIterator
 
-__all__ = ["BaseIterator", "HostBatch", "IteratorSetup", "CarryOver", "Position",
-           "SingleProcessIterator", "WorkerPoolIterator"]
+__all__ = [
+           "BaseIterator",
+           "CarryOver",
+           "HostBatch",
+           "IteratorSetup",
+           "Position",
+           "SingleProcessIterator",
+           "WorkerPoolIterator",
+]

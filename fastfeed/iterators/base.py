@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader
 
 from fastfeed._torch_compat import is_iterable_dataset, pin_memory
 from fastfeed.iterators.setup import IteratorSetup
+from fastfeed.protocol import WorkerConfig
 from fastfeed.resume import EpochStart, LoaderState, RandomSources
 from fastfeed.ring import Lease
 from fastfeed.telemetry import batch_length
@@ -66,6 +67,7 @@ class BaseIterator:
         self._num_workers = loader.num_workers
         self._timeout = loader.timeout
         self._collate_fn = loader.collate_fn if setup.collate_fn is None else setup.collate_fn
+        self._worker_init_fn = loader.worker_init_fn
         self._persistent_workers = loader.persistent_workers
         self._telemetry = setup.telemetry
         # Run by the device stage, before gpu_transform: it finishes the batches this
@@ -110,6 +112,29 @@ class BaseIterator:
 
     def __iter__(self) -> BaseIterator:
         return self
+
+    def _worker_config(self, worker_id: int, *, num_workers: int | None = None,
+                       thread: bool = False, dataset_state: Any = None) -> WorkerConfig:
+        """What worker ``worker_id`` (or the main process, with ``num_workers=0``) needs to
+        produce this iterator's batches."""
+        return WorkerConfig(
+            dataset=self._dataset,
+            iterable=self._iterable,
+            auto_collation=self._auto_collation,
+            collate_fn=self._collate_fn,
+            drop_last=self._drop_last,
+            base_seed=self.base_seed,
+            worker_init_fn=self._worker_init_fn if self._num_workers else None,
+            worker_id=worker_id,
+            num_workers=self._num_workers if num_workers is None else num_workers,
+            dataset_state=dataset_state,
+            thread=thread,
+            deterministic=self._setup.deterministic,
+        )
+
+    def _replica_state(self, resume: LoaderState | None, worker_id: int) -> Any:
+        """The IterableDataset state worker ``worker_id`` resumes from, if any."""
+        return None if resume is None else resume.replica_state(worker_id, self._num_workers)
 
     def _reset(self, loader: DataLoader, first_iter: bool = False) -> None:
         """Start an epoch with a new pass of the sampler, as torch's ``_reset`` does."""

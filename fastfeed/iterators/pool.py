@@ -1,5 +1,4 @@
-"""A pool of workers (processes that collate into the ring, or threads): send tasks, receive
-answers, deliver batches.
+"""The worker pool's iterator: dispatch tasks, receive answers, deliver batches.
 
 Dispatch and ordering follow torch's ``_MultiProcessingDataLoaderIter``: indices go to
 workers round-robin, at most ``prefetch_factor`` tasks per worker are outstanding, batches
@@ -7,17 +6,13 @@ are delivered in sampler order (or as they arrive with ``in_order=False``), and
 IterableDataset replicas are interleaved. What crosses the process boundary differs: each task
 carries a ring slot, and the answer is a small message that ``codec.decode`` turns back into
 tensors that are views of that slot (see :mod:`fastfeed.protocol`). The task book
-(:mod:`~fastfeed.iterators.tasks`) keeps every task's state, the worker table
-(:mod:`~fastfeed.iterators.workers`) every worker's.
+(:mod:`~fastfeed.iterators.tasks`) keeps every task's state; the crew
+(:mod:`~fastfeed.iterators.crew`) starts, reaches and stops the workers.
 """
 
 from __future__ import annotations
 
-import atexit
-import os
-import threading
 import time
-from functools import partial
 from typing import Any
 
 from torch._utils import ExceptionWrapper
@@ -27,36 +22,14 @@ from fastfeed.autotune import TuningWindows
 from fastfeed.codec import decode
 from fastfeed.iterators.backends import make_backend
 from fastfeed.iterators.base import BaseIterator, HostBatch
-from fastfeed.iterators.liveness import WorkerExited, next_message, raise_if_a_worker_died
+from fastfeed.iterators.crew import WorkerCrew
 from fastfeed.iterators.setup import IteratorSetup
 from fastfeed.iterators.tasks import Entry, TaskBook
-from fastfeed.iterators.workers import WorkerState, WorkerTable
-from fastfeed.protocol import (
-    Answer,
-    Encoded,
-    EpochStarted,
-    Failed,
-    Produced,
-    ReplicaEnded,
-    StartEpoch,
-    Stop,
-    Task,
-    WorkerConfig,
-)
-from fastfeed.resume import LoaderState
-from fastfeed.ring import Lease, SlotRing, Ticket, slot_budget
+from fastfeed.iterators.workers import WorkerState
+from fastfeed.protocol import Answer, Encoded, Failed, Produced, ReplicaEnded, Task
+from fastfeed.ring import Lease, Ticket, slot_budget
 
 __all__ = ["WorkerPoolIterator"]
-
-_python_exiting = False
-
-
-def _mark_exiting() -> None:
-    global _python_exiting
-    _python_exiting = True
-
-
-atexit.register(_mark_exiting)
 
 
 def _reraise(wrapper: ExceptionWrapper) -> None:
@@ -74,11 +47,6 @@ def _reraise(wrapper: ExceptionWrapper) -> None:
         raise error.with_traceback(None) from error.__cause__
 
 
-def _release_all(ring: SlotRing, tickets: list[Ticket]) -> None:
-    for ticket in tickets:
-        ring.release(ticket)
-
-
 class WorkerPoolIterator(BaseIterator):
     """Iterates a FastLoader with worker processes or threads."""
 
@@ -87,24 +55,21 @@ class WorkerPoolIterator(BaseIterator):
         assert loader.prefetch_factor is not None and loader.prefetch_factor > 0
         self._prefetch_factor = loader.prefetch_factor
         self._in_order = loader.in_order
-        # A forked child inherits this object; only the process that started the workers
-        # may shut them down.
-        self._owner_pid = os.getpid()
-        self._shutdown = False
-        self._shutdown_lock = threading.Lock()
         self._epoch = 0
         self._book = TaskBook()
-        self._workers = WorkerTable(self._book)
-        self._worker_init_fn = loader.worker_init_fn
-        self._backend = make_backend(setup.worker_mode, loader.multiprocessing_context)
-        self._telemetry.worker_mode = self._backend.kind
-        self.ring = setup.ring if self._backend.kind == "process" else None
+        backend = make_backend(setup.worker_mode, loader.multiprocessing_context)
+        self.ring = setup.ring if backend.kind == "process" else None
+        self._crew = WorkerCrew(backend, self._book, self.ring, self._timeout)
+        self._workers = self._crew.table
+        self._telemetry.worker_mode = backend.kind
         self._telemetry.ring = self.ring
         try:
             for worker_id in range(self._num_workers):
-                self._start_worker(worker_id, self._resume_dataset_state(self._resume, worker_id))
+                self._crew.start(self._worker_config(
+                    worker_id, thread=backend.kind == "thread",
+                    dataset_state=self._replica_state(self._resume, worker_id)))
         except BaseException:
-            self._shutdown_workers()
+            self._crew.shutdown()
             raise
         self._size_ring()
         self._tuning = (None if setup.tuner is None else TuningWindows(
@@ -120,46 +85,19 @@ class WorkerPoolIterator(BaseIterator):
             self.ring.max_slots = slot_budget(self._max_tasks, self._setup.held_by_prefetch,
                                               self._setup.ring_slots)
 
-    def _start_worker(self, worker_id: int, dataset_state: Any = None,
-                      num_workers: int | None = None) -> None:
-        config = WorkerConfig(
-            dataset=self._dataset,
-            iterable=self._iterable,
-            auto_collation=self._auto_collation,
-            collate_fn=self._collate_fn,
-            drop_last=self._drop_last,
-            base_seed=self.base_seed,
-            worker_init_fn=self._worker_init_fn,
-            worker_id=worker_id,
-            num_workers=num_workers or self._num_workers,
-            dataset_state=dataset_state,
-            thread=self._backend.kind == "thread",
-            deterministic=self._setup.deterministic,
-        )
-        self._workers.add(self._backend.start(config, self.ring))
-
-    # -- epochs ------------------------------------------------------------------------------
-    def _resume_dataset_state(self, resume: LoaderState | None, worker_id: int) -> Any:
-        if resume is None or resume.dataset_states is None:
-            return None
-        if len(resume.dataset_states) != self._num_workers:
-            raise ValueError(
-                f"the loader state holds {len(resume.dataset_states)} IterableDataset replica "
-                f"states but this loader has {self._num_workers} workers; resume with the "
-                "same num_workers"
-            )
-        return resume.dataset_states[worker_id]
-
     @property
     def closed(self) -> bool:
         """Whether the workers were shut down (a worker died): the next epoch needs new ones."""
-        return self._shutdown
+        return self._crew.closed
 
+    # -- epochs ------------------------------------------------------------------------------
     def _start_epoch(self, loader: DataLoader, first_iter: bool) -> None:
         super()._start_epoch(loader, first_iter)
         resume = self._epoch_resume
-        if not first_iter:
-            self._restart_workers(resume)
+        if not first_iter:  # persistent workers: every answer of the last epoch first
+            self._epoch += 1
+            self._crew.start_epoch(self._epoch, lambda w: self._replica_state(resume, w),
+                                   self._receive)  # batches not delivered die with their leases
         self._epoch_clock = time.perf_counter()
         self._book.start_epoch()
         self._next_worker = 0  # round-robin position
@@ -171,25 +109,12 @@ class WorkerPoolIterator(BaseIterator):
                     self._workers.exhaust(worker_id, at=-1)
         self._fill()
 
-    def _restart_workers(self, resume: LoaderState | None) -> None:
-        """Persistent workers: start the next epoch once every answer of this one (finished
-        or abandoned) is in."""
-        self._epoch += 1
-        resumed = self._workers.resumable()
-        for worker_id in resumed:
-            state = self._resume_dataset_state(resume, worker_id)
-            self._workers[worker_id].handle.task_queue.put(StartEpoch(self._epoch, state))
-        # Each worker answers its tasks before its acknowledgement; a retiring worker gets no
-        # StartEpoch, so wait until it has answered its last task too.
-        acknowledged = 0
-        while acknowledged < len(resumed) or self._workers.retiring_with_tasks():
-            message = self._next_message()
-            if isinstance(message, EpochStarted):
-                acknowledged += message.epoch == self._epoch
-            else:
-                self._receive(message)  # batches not delivered: their leases die with them
-        for worker_id in resumed:
-            self._workers.resume(worker_id)
+    def _epoch_finished(self) -> None:
+        if self._num_yielded:
+            rate = self._num_yielded / max(time.perf_counter() - self._epoch_clock, 1e-9)
+            self._setup.carry_over.epoch_rates.setdefault(self._crew.kind, rate)
+        if not self._persistent_workers:
+            self._crew.shutdown()
 
     # -- dispatch ----------------------------------------------------------------------------
     def _fill(self) -> None:
@@ -219,31 +144,14 @@ class WorkerPoolIterator(BaseIterator):
         worker_id = self._pick_worker()
         if worker_id is None:
             return
-        ticket = self._acquire_ticket()
+        ticket = None
+        if self.ring is not None:
+            ticket, created, retired = self.ring.acquire()
+            self._crew.announce(created, retired)
         seq = self._book.send(worker_id, ticket)
-        slot_id = None if ticket is None else ticket.slot_id
-        self._workers[worker_id].handle.task_queue.put(Task(seq, index, slot_id))
-
-    def _acquire_ticket(self) -> Ticket | None:
-        if self.ring is None:
-            return None
-        ticket, created, retired = self.ring.acquire()
-        self._announce(created, retired)
-        return ticket
-
-    def _announce(self, created: list, retired: list[int]) -> None:
-        if created or retired:
-            for worker in self._workers.mapping_slots():
-                self._backend.announce(worker.handle, created, retired)
+        self._crew.send(worker_id, Task(seq, index, None if ticket is None else ticket.slot_id))
 
     # -- receive -----------------------------------------------------------------------------
-    def _next_message(self) -> Any:
-        try:
-            return next_message(self._backend.result_queue, self._workers, self._timeout)
-        except WorkerExited:
-            self._shutdown_workers()
-            raise
-
     def _receive(self, answer: Answer) -> None:
         """Book a worker's answer and decode its batch at once: shared memory sent outside the
         ring is fetched from the worker, which may exit (an exhausted IterableDataset replica)
@@ -256,14 +164,14 @@ class WorkerPoolIterator(BaseIterator):
                 self._settle(cancelled.take_ticket())
             self._workers.exhaust(worker_id, at=answer.seq)
             if not self._persistent_workers:
-                self._stop_worker(worker_id)
+                self._crew.stop(worker_id)
             return
         entry = self._book.answer(answer.seq)
         try:
             entry.result = self._result_of(entry, outcome)
         finally:
             if self._workers.may_stop(worker_id):
-                self._stop_worker(worker_id)  # a retiring worker's last task: it may exit
+                self._crew.stop(worker_id)  # a retiring worker's last task: it may exit
 
     def _result_of(self, entry: Entry, outcome: Produced | Failed) -> HostBatch | ExceptionWrapper:
         """What the consumer gets in the task's turn: its batch, or the error to raise."""
@@ -284,7 +192,7 @@ class WorkerPoolIterator(BaseIterator):
             if isinstance(error, (OSError, EOFError)):
                 # Shared memory outside the ring is fetched from its worker: if that worker
                 # died, say so rather than surface a socket error.
-                self._raise_if_a_worker_died(wait=2.0)
+                self._crew.raise_if_a_worker_died(wait=2.0)
             # Raised in the batch's turn, as a worker's exception would be.
             return ExceptionWrapper(
                 where=f"in the main process, rebuilding a batch of worker {entry.worker_id}")
@@ -301,16 +209,9 @@ class WorkerPoolIterator(BaseIterator):
         elif batch is not None and batch.private_slot is not None:
             assert self.ring is not None
             lease, created = self.ring.adopt(batch.private_slot.detach())
-            self._announce(created, [])
+            self._crew.announce(created, [])
             return lease
         return None
-
-    def _raise_if_a_worker_died(self, wait: float = 0.0) -> None:
-        try:
-            raise_if_a_worker_died(self._workers, wait)
-        except WorkerExited:
-            self._shutdown_workers()
-            raise
 
     # -- deliver -----------------------------------------------------------------------------
     def _next_data(self) -> HostBatch:
@@ -327,18 +228,11 @@ class WorkerPoolIterator(BaseIterator):
             if self._book.finished:
                 self._epoch_finished()
                 raise StopIteration
-            assert not self._shutdown and self._book.outstanding() > 0
-            answer = self._next_message()
+            assert not self._crew.closed and self._book.outstanding() > 0
+            answer = self._crew.next_message()
             self._receive(answer)
             if isinstance(answer.outcome, ReplicaEnded):
                 self._send_next()  # in the place of the cancelled tasks
-
-    def _epoch_finished(self) -> None:
-        if self._num_yielded:
-            rate = self._num_yielded / max(time.perf_counter() - self._epoch_clock, 1e-9)
-            self._setup.carry_over.epoch_rates.setdefault(self._backend.kind, rate)
-        if not self._persistent_workers:
-            self._shutdown_workers()
 
     def _round_robin_position(self) -> dict[str, Any]:
         position: dict[str, Any] = {"out_of_order": not self._in_order}
@@ -356,46 +250,16 @@ class WorkerPoolIterator(BaseIterator):
         wanted = self._tuning.delivered(self._telemetry.waited, self._workers.active_tasks())
         if wanted is not None and wanted != self._workers.serving:
             self._telemetry.decision(self._tuning.tuner.log[-1])
-            self._resize(wanted)
-
-    def _resize(self, wanted: int) -> None:
-        while self._workers.serving < wanted:
-            self._start_worker(len(self._workers), num_workers=self._workers.serving + 1)
-        while self._workers.serving > wanted:
-            # The newest active worker gets no more tasks, and exits once the main process
-            # has received its last batch: a batch outside the ring is fetched from the
-            # worker that made it, which must still be alive then.
-            worker_id = self._workers.newest_serving()
-            if self._workers.retire(worker_id):
-                self._stop_worker(worker_id)
-        self._size_ring()
-        self._setup.carry_over.workers = self._workers.serving  # where the next epoch starts
-        self._fill()
+            self._crew.resize(wanted, lambda worker_id, num_workers: self._worker_config(
+                worker_id, num_workers=num_workers, thread=self._crew.kind == "thread"))
+            self._size_ring()
+            self._setup.carry_over.workers = self._workers.serving  # where the next epoch starts
+            self._fill()
 
     # -- shutdown ----------------------------------------------------------------------------
-    def _stop_worker(self, worker_id: int) -> None:
-        self._workers.stop(worker_id)
-        self._workers[worker_id].handle.task_queue.put(Stop())
-
-    def _shutdown_workers(self, wait: bool = True) -> None:
-        # Once, from whichever thread gets here first: __del__ can run in any thread that
-        # happens to trigger garbage collection. The ring is the loader's: it outlives this.
-        if _python_exiting or os.getpid() != self._owner_pid:
-            return
-        if not self._shutdown_lock.acquire(blocking=False):
-            return
-        self._shutdown = True
-        # Tasks still in flight (a break, an error) hand their tickets over: they go back to
-        # the loader's ring once no worker can write the slots any more.
-        tickets = self._book.take_tickets()
-        release = None
-        if tickets and self.ring is not None:
-            release = partial(_release_all, self.ring, tickets)
-        self._backend.shutdown([w.handle for w in self._workers], wait=wait, then=release)
-
     def close(self) -> None:
-        self._shutdown_workers()
+        self._crew.shutdown()
 
     def __del__(self) -> None:
-        if hasattr(self, "_shutdown_lock"):
-            self._shutdown_workers(wait=False)
+        if hasattr(self, "_crew"):
+            self._crew.shutdown(wait=False)

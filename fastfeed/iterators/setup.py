@@ -16,7 +16,7 @@ from fastfeed.resume import LoaderState
 from fastfeed.ring import SlotRing
 from fastfeed.telemetry import Telemetry
 
-__all__ = ["IteratorSetup", "CarryOver"]
+__all__ = ["CarryOver", "IteratorSetup"]
 
 
 @dataclass

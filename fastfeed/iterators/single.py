@@ -7,7 +7,6 @@ from torch.utils.data import DataLoader
 from fastfeed.iterators.base import BaseIterator, HostBatch
 from fastfeed.iterators.setup import IteratorSetup
 from fastfeed.produce import Producer
-from fastfeed.protocol import WorkerConfig
 
 __all__ = ["SingleProcessIterator"]
 
@@ -24,19 +23,7 @@ class SingleProcessIterator(BaseIterator):
         # As torch's: the sampler is iterated once per iterator (a batch sampler that draws
         # in __iter__ draws once).
         self._start_epoch(loader, first_iter=True)
-        config = WorkerConfig(
-            dataset=self._dataset,
-            iterable=self._iterable,
-            auto_collation=self._auto_collation,
-            collate_fn=self._collate_fn,
-            drop_last=self._drop_last,
-            base_seed=self.base_seed,
-            worker_init_fn=None,
-            worker_id=0,
-            num_workers=0,
-            deterministic=setup.deterministic,
-        )
-        self._producer = Producer(config, in_main_process=True)
+        self._producer = Producer(self._worker_config(0), in_main_process=True)
         self._producer.start_epoch(0, self._dataset_states[0])
 
     def _next_data(self) -> HostBatch:
