@@ -1,0 +1,134 @@
+"""The doctor's measuring process: runs the user's script under the probe, then measures.
+
+``python -m fastfeed.doctor.child RESULT SETTINGS SCRIPT [ARGS...]`` runs SCRIPT as ``python
+SCRIPT ARGS`` would (``__main__``, ``sys.argv``, ``sys.path[0]``), with the probe installed, and
+writes a :class:`~fastfeed.doctor.findings.Diagnosis` to RESULT. The script's output and its
+own traceback go to this process's stdout and stderr as they would without the doctor. Only
+the command line (:mod:`fastfeed.doctor.cli`) starts it, in a session of its own, so that
+whatever the script leaves running can be found and stopped.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import runpy
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from torch.utils.data import DataLoader
+
+from fastfeed.doctor.findings import ENDED_EARLY, NO_LOADER, SCRIPT_FAILED, Diagnosis
+from fastfeed.doctor.loaders import LoaderSpec
+from fastfeed.doctor.measure import Captured, diagnose
+from fastfeed.doctor.probe import LoaderTrace, Probe, WindowClosed
+from fastfeed.doctor.settings import Settings
+from fastfeed.doctor.system import ProcessTree
+from fastfeed.telemetry import GpuSampler
+
+__all__ = ["main", "run_script"]
+
+
+class _Watch:
+    """Readings taken when a loader's window opens and when it closes."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.probe = Probe(settings.window(), on_start=self._opened, on_close=self._closed)
+        self.opened: dict[int, tuple[float, ProcessTree]] = {}
+        self.captured: Captured | None = None
+        self.gpu: GpuSampler | None = None
+
+    def _opened(self, trace: LoaderTrace, loader: DataLoader) -> None:
+        self.opened[id(trace)] = (time.perf_counter(), ProcessTree.read())
+        if self.gpu is None:
+            self.gpu = GpuSampler()  # reads this process's current GPU; fails soft without
+            self.gpu.start()
+
+    def _closed(self, trace: LoaderTrace, loader: DataLoader) -> None:
+        started, tree = self.opened[id(trace)]
+        gpu = self.gpu if self.gpu is not None else GpuSampler()
+        gpu.stop()
+        self.captured = Captured(trace, LoaderSpec.of(loader), tree,
+                                 ProcessTree.read(), time.perf_counter() - started,
+                                 gpu.average(), gpu.status)
+
+
+def _script_frames(error: BaseException, script: str) -> traceback.TracebackException:
+    """The error as Python would print it for ``python SCRIPT``: from the script's frame on."""
+    tb = error.__traceback__
+    target = os.path.abspath(script)
+    while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename) != target:
+        tb = tb.tb_next
+    return traceback.TracebackException(type(error), error, tb or error.__traceback__)
+
+
+def _chain(error: BaseException | None) -> list[BaseException]:
+    seen: list[BaseException] = []
+    while error is not None and all(error is not e for e in seen):
+        seen.append(error)
+        error = error.__cause__ or error.__context__
+    return seen
+
+
+def run_script(script: str, args: list[str], probe: Probe) -> str | None:
+    """Run ``script`` as ``__main__``; ``None`` when it ended or the window stopped it, else
+    what went wrong, in a few words (a traceback is printed as Python prints it)."""
+    sys.argv = [script, *args]
+    sys.path[0] = os.path.dirname(os.path.abspath(script))
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as exit:
+        if exit.code not in (None, 0):
+            return f"exit status {exit.code}"
+    except BaseException as error:  # the script's own error, whatever it is
+        if any(isinstance(e, WindowClosed) for e in _chain(error)) and probe.closed:
+            return None  # the window's stop, re-raised (or wrapped) by a framework
+        report = _script_frames(error, script)
+        print("".join(report.format()), end="", file=sys.stderr, flush=True)
+        last = "".join(report.format_exception_only()).strip().splitlines()[-1]
+        return f"{last} (its traceback is above)"
+    return None
+
+
+def _ended_early(delivered: int, settings: Settings) -> str:
+    """Why the window did not close, and a window that would have (the last batch's step
+    ends only if the script asks for another)."""
+    fits = delivered - settings.warmup - 1
+    hint = (f"--batches {fits}" if fits >= 1 else
+            f"--warmup 1 --batches {delivered - 2}" if delivered >= 3 else "a longer run")
+    return (f"it ended after {delivered} batches, before the window of {settings.warmup} "
+            f"warm-up batches and {settings.batches} steps closed (try {hint})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    result, settings_json, script, *args = sys.argv[1:] if argv is None else argv
+    settings = Settings(**json.loads(settings_json))
+    watch = _Watch(settings)
+    watch.probe.install()
+    try:
+        error = run_script(script, args, watch.probe)
+    finally:
+        watch.probe.uninstall()
+    gc.collect()  # the script's iterators, and the workers they hold, go now
+    stopped = watch.probe.closed
+    delivered = max((t.batches for t in watch.probe.traces), default=0)
+    base = Diagnosis(outcome="", script=script, argv=args)
+    if not stopped and error is not None:
+        base.outcome, base.message = SCRIPT_FAILED, f"it failed before the window closed: {error}"
+    elif not stopped and delivered == 0:
+        base.outcome, base.message = NO_LOADER, "it never iterated a DataLoader"
+    elif not stopped or watch.captured is None:
+        base.outcome, base.message = ENDED_EARLY, _ended_early(delivered, settings)
+    else:
+        base = diagnose(base, watch.captured, watch.probe, settings)
+        if error is not None:
+            base.notes.append(f"after the window, the script failed: {error}")
+    base.write(Path(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""``fastfeed doctor SCRIPT [ARGS...]``: why is my GPU idle? Measured on your own script.
+
+Runs the script, unmodified, in a process of its own (:mod:`fastfeed.doctor.child`) for a
+window of training steps, then stops it; prints the report, and writes ``--json`` and
+``--out`` pictures. Bad input (a script that fails, never iterates a loader, or ends before the
+window closes) is one line saying which, after the script's own error as it printed it.
+
+The measuring process gets a session of its own: whatever the script leaves running when that
+process has ended (a worker it forked and never stopped) is found by its process group,
+stopped, and named in the report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from fastfeed.doctor.findings import REPORT, SCRIPT_FAILED, Diagnosis
+from fastfeed.doctor.plots import write_plots
+from fastfeed.doctor.report import format_report
+from fastfeed.doctor.settings import Settings
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    window = parser.add_argument_group("the window (whichever ends first)")
+    window.add_argument("--batches", type=int, default=50,
+                        help="training steps to measure after the warm-up (default 50)")
+    window.add_argument("--seconds", type=float, default=30.0,
+                        help="seconds to measure after the warm-up (default 30)")
+    window.add_argument("--warmup", type=int, default=5,
+                        help="first batches left out: worker start-up (default 5)")
+    window.add_argument("--let-finish", action="store_true",
+                        help="let the script run to its end after the window, instead of "
+                             "stopping it")
+    trials = parser.add_argument_group("loader-alone runs")
+    trials.add_argument("--repeats", type=int, default=3, help="runs per configuration")
+    trials.add_argument("--trial-batches", type=int, default=30,
+                        help="timed batches per run (default 30)")
+    trials.add_argument("--trial-seconds", type=float, default=10.0,
+                        help="at most this long per run (default 10)")
+    parser.add_argument("--json", type=Path, dest="json_path", metavar="PATH",
+                        help="write the findings here")
+    parser.add_argument("--out", type=Path, metavar="DIR",
+                        help="write timeline.png and stages.png here (needs matplotlib: "
+                             "pip install 'fastfeed[plot]')")
+    parser.add_argument("script", help="the training script, as you run it with python")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's arguments")
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    counts = {"--batches": args.batches, "--repeats": args.repeats,
+              "--trial-batches": args.trial_batches}
+    for flag, value in counts.items():
+        if value < 1:
+            raise ValueError(f"{flag} must be at least 1")
+    if args.warmup < 0 or args.seconds <= 0 or args.trial_seconds <= 0:
+        raise ValueError("--warmup must be non-negative, --seconds and --trial-seconds positive")
+    if not Path(args.script).is_file():
+        raise ValueError(f"{args.script}: no such file")
+    return Settings(args.warmup, args.batches, args.seconds, args.let_finish, args.repeats,
+                    args.trial_batches, args.trial_seconds)
+
+
+def _group(pgid: int) -> list[int]:
+    """Live processes of a process group, from /proc."""
+    members = []
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            members.append(int(entry))
+    return members
+
+
+def stop_leftovers(pgid: int, grace: float = 5.0) -> list[int]:
+    """Stop what is left of the measuring process's group: SIGTERM, then SIGKILL after
+    ``grace`` seconds. Returns the pids found."""
+    left = _group(pgid)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + grace
+        while _group(pgid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not _group(pgid):
+            break
+    return left
+
+
+def _measure(settings: Settings, script: str, script_args: list[str]) -> Diagnosis | None:
+    """Run the measuring process; its diagnosis, or ``None`` if it died without one."""
+    with tempfile.TemporaryDirectory(prefix="fastfeed-doctor-") as tmp:
+        result = Path(tmp) / "diagnosis.json"
+        child = subprocess.Popen([sys.executable, "-m", "fastfeed.doctor.child", str(result),
+                                  settings.to_json(), script, *script_args],
+                                 start_new_session=True)
+        try:
+            child.wait()
+        except KeyboardInterrupt:  # the child has its own session: hand it the interrupt
+            child.send_signal(signal.SIGINT)
+            try:
+                child.wait(timeout=30)
+            except (KeyboardInterrupt, subprocess.TimeoutExpired):
+                child.kill()
+                child.wait()
+        left = stop_leftovers(child.pid)
+        if not result.exists():
+            print(f"fastfeed doctor: error: the measuring process ended without a result "
+                  f"(exit status {child.returncode})", file=sys.stderr)
+            return None
+        diagnosis = Diagnosis.read(result)
+    if left:
+        diagnosis.notes.append(f"the script left {len(left)} processes running after it "
+                               f"stopped (pids {', '.join(map(str, left))}); the doctor "
+                               "stopped them")
+    return diagnosis
+
+
+def run(args: argparse.Namespace) -> int:
+    """Diagnose ``args.script``; exit status 0 with a report, 1 when the script failed,
+    2 for other bad input, 3 when the doctor itself failed."""
+    try:
+        settings = _settings(args)
+    except ValueError as error:
+        print(f"fastfeed doctor: error: {error}", file=sys.stderr)
+        return 2
+    diagnosis = _measure(settings, args.script, args.script_args)
+    if diagnosis is None:
+        return 3
+    if diagnosis.outcome != REPORT:
+        print(f"fastfeed doctor: {args.script}: {diagnosis.message}", file=sys.stderr)
+        return 1 if diagnosis.outcome == SCRIPT_FAILED else 2
+    print(format_report(diagnosis))
+    if args.json_path is not None:
+        diagnosis.write(args.json_path)
+        print(f"wrote {args.json_path}")
+    if args.out is not None:
+        written = write_plots(diagnosis, args.out)
+        print("wrote " + " and ".join(map(str, written)) if written is not None else
+              "no pictures: pip install 'fastfeed[plot]' (matplotlib)")
+    return 0

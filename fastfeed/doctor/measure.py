@@ -1,0 +1,209 @@
+"""From the window to the diagnosis: the step figures, the stages, the loader-alone runs, the
+verdict and the recommendations.
+
+Runs in the measuring process after the script has stopped. The loader-alone runs of the
+options are made only when the loader can be the bottleneck: a loop that barely waits gets its
+loader's ceiling measured, and if that leaves ample room, no option is measured or offered.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from fastfeed._proc import available_cpus
+from fastfeed.doctor.findings import REPORT, Diagnosis, Option, Stage, Unmeasured
+from fastfeed.doctor.loaders import LoaderSpec
+from fastfeed.doctor.options import configurations
+from fastfeed.doctor.probe import LoaderTrace, Probe
+from fastfeed.doctor.settings import Settings
+from fastfeed.doctor.stages import profile_samples
+from fastfeed.doctor.system import ProcessTree, usage_between
+from fastfeed.doctor.trials import BASELINE, Result, TrialPlan, ready_ms, run_trials
+from fastfeed.doctor.verdict import judge
+from fastfeed.nvml import GpuSample
+
+__all__ = ["MIN_SPEEDUP", "Captured", "Steps", "diagnose"]
+
+# A loader-alone gain under 10 % is within what a busy machine's noise gives between repeats.
+MIN_SPEEDUP = 1.10
+
+
+@dataclass
+class Captured:
+    """What was read from the script's loader and machine when its window closed."""
+
+    trace: LoaderTrace
+    spec: LoaderSpec
+    start: ProcessTree
+    end: ProcessTree
+    seconds: float
+    gpu: list[GpuSample]
+    gpu_status: str
+
+
+@dataclass(frozen=True)
+class Steps:
+    """The window's measured steps: seconds waiting and computing, and samples, per step."""
+
+    waits: list[float]
+    computes: list[float]
+    samples: list[int]
+    gpu_idle: list[float] | None  # per step, where CUDA events timed every step
+
+    @classmethod
+    def of(cls, trace: LoaderTrace, warmup: int) -> Steps:
+        steps = range(warmup, len(trace.computes))
+        # Steps another loader's batches ran in (a validation pass) say nothing of this one.
+        chosen = [k for k in steps if trace.clean[k]] or list(steps)
+        idle = trace.gpu.idle_s
+        return cls([trace.waits[k] for k in chosen],
+                   [max(0.0, trace.computes[k]) for k in chosen],
+                   [trace.samples[k] for k in chosen],
+                   [idle[k] for k in chosen] if chosen and all(k in idle for k in chosen)
+                   else None)
+
+    @property
+    def total_s(self) -> float:
+        return sum(self.waits) + sum(self.computes)
+
+    @property
+    def stall(self) -> float:
+        waited = sum(self.gpu_idle) if self.gpu_idle is not None else sum(self.waits)
+        return min(1.0, waited / self.total_s) if self.total_s > 0 else 0.0
+
+    def rate(self, seconds: float) -> float | None:
+        return sum(self.samples) / seconds if seconds > 0 else None
+
+
+def _progress(message: str) -> None:
+    print(f"fastfeed doctor: {message}", file=sys.stderr, flush=True)
+
+
+def _device() -> torch.device | None:
+    """The GPU the script trained on: the current device, if the script initialised CUDA."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.device("cuda", torch.cuda.current_device())
+    return None
+
+
+def _transfer_ms(batch: Any, plan: TrialPlan) -> float:
+    assert plan.device is not None
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        plan.consume(batch)
+        torch.cuda.synchronize(plan.device)
+        times.append(1000 * (time.perf_counter() - start))
+    return statistics.median(times)
+
+
+def _loader(captured: Captured) -> dict[str, Any]:
+    spec, dataset = captured.spec, captured.spec.dataset
+    return {"class": captured.trace.name, "fastloader": spec.fast,
+            "dataset": f"{type(dataset).__module__}.{type(dataset).__qualname__}",
+            "batch_size": spec.batch_size, "num_workers": spec.workers,
+            "pin_memory": spec.arguments["pin_memory"],
+            "persistent_workers": spec.arguments["persistent_workers"],
+            "batches_per_epoch": spec.length,
+            **{name: repr(value) for name, value in spec.options.items()
+               if value not in (None, False)}}
+
+
+def _run(configs: list[Any], plan: TrialPlan, stall: float, consumer: float) -> list[Result]:
+    """The script's loader alone first when the loop barely waited; the options only if the
+    loader can be the bottleneck."""
+    if not judge(stall, consumer, None).loader_helps:
+        _progress("the loop barely waited: measuring the loader's ceiling alone")
+        ceiling = run_trials(configs[:1], plan)
+        if ceiling[0].error or not judge(stall, consumer, ceiling[0].samples_per_s).loader_helps:
+            return ceiling
+    _progress(f"measuring {len(configs)} loader configurations × {plan.repeats} repeats, "
+              "alternated")
+    return run_trials(configs, plan)
+
+
+def diagnose(diagnosis: Diagnosis, captured: Captured, probe: Probe, settings: Settings
+             ) -> Diagnosis:
+    """Fill ``diagnosis`` from the closed window of ``captured``."""
+    trace, spec = captured.trace, captured.spec
+    steps = Steps.of(trace, settings.warmup)
+    consumer = steps.rate(steps.total_s) or 0.0
+    stall = steps.stall
+    _progress(f"window closed after {len(steps.waits)} steps (training waited "
+              f"{100 * stall:.0f}%); timing the dataset's stages")
+    diagnosis.notes += [f"left out {len(trace.computes) - settings.warmup - len(steps.waits)} "
+                        "steps in which another loader delivered batches"] if any(
+        not clean for clean in trace.clean[settings.warmup:]) else []
+    device = _device()
+    try:
+        stages, batch = profile_samples(spec.dataset, spec.arguments.get("collate_fn"),
+                                        spec.batch_size, settings.profile_seconds)
+    except Exception as error:
+        stages, batch = [], None
+        diagnosis.notes.append(f"per-sample stages not measured: {type(error).__name__}: "
+                               f"{error}")
+    first = (trace.delivered_at[0] - trace.first_iter_at if trace.first_iter_at is not None
+             else None)
+    step = statistics.median(w + c for w, c in zip(steps.waits, steps.computes, strict=True))
+    # Start-up is what the first batch took beyond an ordinary step.
+    startup = max(0.0, first - step) if first is not None else None
+    epoch_s = spec.length * step if spec.length else None
+    startup_share = startup / (startup + epoch_s) if startup and epoch_s else None
+    configs, unmeasured = configurations(spec, stages, device, startup_share,
+                                         settings.trial_batches)
+    workers = available_cpus() if spec.workers == "auto" else int(spec.workers)
+    prefetched = workers * (spec.arguments.get("prefetch_factor") or 0)
+    plan = TrialPlan(spec, settings.trial_batches, settings.trial_seconds, settings.repeats,
+                     prefetched, device)
+    results = _run(configs, plan, stall, consumer)
+    ceiling = results[0].samples_per_s if not results[0].error else None
+    verdict = judge(stall, consumer, ceiling)
+    options = [Option(r.change, r.speedup, r.same_batches, r.samples_per_s, r.key, r.note)
+               for r in results if not r.error]
+    failed = [Unmeasured(r.change or "your loader, rebuilt", f"its run failed: {r.error}")
+              for r in results if r.error]
+    per_batch = [Stage("collate", c.ms * (spec.batch_size or 1), c.kind)
+                 for c in stages if c.kind == "collate"]
+    ready = ready_ms(plan)
+    if ready is not None:
+        per_batch.append(Stage("main process (next() with a batch ready)", ready))
+    if device is not None and batch is not None:
+        per_batch.append(Stage(f"transfer to {device}", _transfer_ms(batch, plan)))
+    usage = usage_between(captured.start, captured.end, captured.seconds)
+    diagnosis.outcome = REPORT
+    diagnosis.verdict, diagnosis.evidence = verdict.name, list(verdict.evidence)
+    diagnosis.stall_fraction = stall
+    diagnosis.stall_source = "cuda events" if steps.gpu_idle is not None else "host"
+    diagnosis.consumer_samples_per_s = consumer
+    diagnosis.model_samples_per_s = steps.rate(sum(steps.computes))
+    diagnosis.loader_ceiling_samples_per_s = ceiling
+    diagnosis.time_to_first_batch_s = first
+    diagnosis.loader = _loader(captured)
+    diagnosis.other_loaders = [{"class": t.name, "batches": t.batches}
+                               for t in probe.traces if t is not trace]
+    diagnosis.window = {"warmup_batches": settings.warmup, "steps": len(steps.waits),
+                        "seconds": steps.total_s, "stopped": not settings.let_finish}
+    diagnosis.timeline_ms = {"wait": [1000 * w for w in steps.waits],
+                             "compute": [1000 * c for c in steps.computes]}
+    diagnosis.system = {"cpu_cores": available_cpus(), **asdict(usage),
+                        "gpu": [asdict(g) for g in captured.gpu],
+                        "gpu_status": captured.gpu_status}
+    diagnosis.per_sample_ms = [Stage(c.stage, c.ms, c.kind) for c in stages]
+    diagnosis.per_batch_ms = sorted(per_batch, key=lambda s: s.ms, reverse=True)
+    # The script's loader first, then the options (other baselines are only yardsticks).
+    shown = [o for o in options if o.key == BASELINE or o.change]
+    if verdict.loader_helps:
+        diagnosis.measured = shown
+        diagnosis.recommendations = sorted((o for o in shown if o.change
+                                            and o.speedup >= MIN_SPEEDUP),
+                                           key=lambda o: o.speedup, reverse=True)
+        diagnosis.unmeasured = unmeasured + failed
+    else:
+        diagnosis.measured = shown[:1]
+    return diagnosis

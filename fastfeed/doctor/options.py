@@ -1,0 +1,158 @@
+"""What the doctor can offer a script's loader, each as a configuration it can measure.
+
+The script's own loader comes first (``"yours"``); then the lines of fastfeed that apply:
+
+- ``swap``: the import swap, ``FastLoader`` with the same arguments;
+- ``auto``: ``num_workers="auto"``, and the count it settled on;
+- ``accelerate``: ``fastfeed.vision.accelerate(dataset)``, for a torchvision ``ImageFolder``
+  whose transforms it recognises (with the swap);
+- ``patch`` and ``fast_decode``: ``fastfeed.ultralytics.patch()``, for an Ultralytics dataset;
+- ``persistent``: ``persistent_workers=True``, when starting workers is a sizeable share of a
+  short epoch;
+- ``device`` and ``pin_memory``: when the script trains on a GPU.
+
+What applies but cannot be measured here (pillow-simd when it is not installed, the GPU options
+on a machine without one) is returned as :class:`~fastfeed.doctor.findings.Unmeasured`, with
+the reason, never a number.
+Integrations are imported only when the script's data calls for them: the core knows none.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from fastfeed.doctor.findings import Unmeasured
+from fastfeed.doctor.loaders import LoaderSpec
+from fastfeed.doctor.stages import DECODE, StageCost
+from fastfeed.doctor.trials import BASELINE, Config
+from fastfeed.loader import FastLoader
+
+__all__ = ["configurations"]
+
+# Worker start-up as a share of an epoch above which persistent workers are worth measuring.
+STARTUP_SHARE = 0.05
+
+
+def _from(dataset: Any, package: str) -> bool:
+    return any(cls.__module__.split(".")[0] == package for cls in type(dataset).__mro__)
+
+
+def _settled_workers(loader: DataLoader) -> str:
+    assert isinstance(loader, FastLoader)
+    return f"settled on {loader.stats().workers} workers"
+
+
+@contextlib.contextmanager
+def _ultralytics_patched(**options: Any) -> Iterator[None]:
+    import fastfeed.ultralytics as fu
+
+    fu.patch(**options)
+    try:
+        yield
+    finally:
+        fu.unpatch()
+
+
+def _accelerate(spec: LoaderSpec) -> tuple[Config | None, Unmeasured | None]:
+    from fastfeed.vision.accelerate import accelerate
+
+    change = "dataset = fastfeed.vision.accelerate(dataset)   # with FastLoader"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fast = accelerate(spec.dataset)
+    if fast is spec.dataset:
+        reason = str(caught[-1].message) if caught else "the dataset is already fastfeed's"
+        return None, Unmeasured(change, f"does not apply: {reason}")
+    return Config("accelerate", change, lambda: spec.build(fast=True, dataset=fast),
+                  note="your transforms' random draws, pixels within a few grey levels"), None
+
+
+def _ultralytics(spec: LoaderSpec) -> list[Config]:
+    import fastfeed.ultralytics as fu
+
+    if fu.is_patched():  # the script patched it itself: its loader is measured as it is
+        return []
+    build = lambda: spec.build(fast=True)  # noqa: E731
+    return [Config("patch", "fastfeed.ultralytics.patch()   # before model.train(...)", build,
+                   context=_ultralytics_patched),
+            Config("fast_decode", "fastfeed.ultralytics.patch(fast_decode=True)", build,
+                   context=lambda: _ultralytics_patched(fast_decode=True),
+                   note="large JPEGs decoded at a reduced scale")]
+
+
+def _pillow_simd() -> bool:
+    try:
+        importlib.metadata.version("Pillow-SIMD")
+    except importlib.metadata.PackageNotFoundError:
+        import PIL
+
+        return ".post" in PIL.__version__  # pillow-simd's versions, installed under PIL's name
+    return True
+
+
+def configurations(spec: LoaderSpec, stages: list[StageCost], device: torch.device | None,
+                   startup_share: float | None, trial_batches: int
+                   ) -> tuple[list[Config], list[Unmeasured]]:
+    """The script's loader and the options that apply to it, and those that cannot be measured.
+
+    Args:
+        spec: the script's loader.
+        stages: its per-sample stages (a Pillow decode calls for pillow-simd).
+        device: the CUDA device the script trains on, or ``None``.
+        startup_share: worker start-up's share of an epoch, if known.
+        trial_batches: batches a loader-alone run times (an epoch must fit twice in it for
+            persistent workers to show).
+    """
+    ultralytics = _from(spec.dataset, "ultralytics")
+    base = "torch's DataLoader" if not spec.fast else "FastLoader"
+    configs = [Config(BASELINE, "", lambda: spec.build(),
+                      note=f"{spec.kind.rsplit('.', 1)[-1]}'s arguments on {base}")]
+    unmeasured: list[Unmeasured] = []
+    if ultralytics:
+        configs += _ultralytics(spec)
+    elif not spec.fast:
+        configs.append(Config("swap", "from fastfeed import FastLoader as DataLoader",
+                              lambda: spec.build(fast=True)))
+    if not ultralytics and spec.workers != "auto":
+        configs.append(Config("auto", 'FastLoader(..., num_workers="auto")',
+                              lambda: spec.build(fast=True, num_workers="auto"),
+                              settled=_settled_workers))
+    if _from(spec.dataset, "torchvision"):
+        config, skipped = _accelerate(spec)
+        configs += [config] if config is not None else []
+        unmeasured += [skipped] if skipped is not None else []
+    persistent = 'DataLoader(..., persistent_workers=True)'
+    if (spec.workers != 0 and not spec.arguments["persistent_workers"]
+            and startup_share is not None and startup_share >= STARTUP_SHARE):
+        if spec.length is not None and 2 * spec.length <= trial_batches:
+            configs += [Config("yours, whole epochs", "", lambda: spec.build(), epochs=True),
+                        Config("persistent", persistent,
+                               lambda: spec.build(persistent_workers=True), epochs=True,
+                               against="yours, whole epochs",
+                               note="timed over whole epochs, start-up included")]
+        else:
+            unmeasured.append(Unmeasured(persistent, (
+                f"starting workers took {100 * startup_share:.0f}% of an epoch, but epochs "
+                f"are longer than a loader-alone run ({trial_batches} batches)")))
+    if device is not None:
+        configs.append(Config("device", f'FastLoader(..., device="{device.type}")',
+                              lambda: spec.build(fast=True, device=str(device))))
+        if not spec.arguments["pin_memory"]:
+            configs.append(Config("pin_memory", "DataLoader(..., pin_memory=True)",
+                                  lambda: spec.build(pin_memory=True)))
+    elif not torch.cuda.is_available():
+        unmeasured.append(Unmeasured('device="cuda", pin_memory=True',
+                                     "no GPU on this machine"))
+    decode = next((s for s in stages if s.kind == DECODE and "pil" in s.stage.lower()), None)
+    if decode is not None and not _pillow_simd():
+        unmeasured.append(Unmeasured("pip install pillow-simd", (
+            f"not installed here, so its speed on your images cannot be measured (Pillow's "
+            f"decode costs {decode.ms:.2f} ms per sample)")))
+    return configs, unmeasured

@@ -1,0 +1,254 @@
+"""Loader-alone runs: each configuration's samples/s on the script's own data.
+
+Each configuration is a loader built fresh from the script's (:class:`~fastfeed.doctor.loaders.
+LoaderSpec`), iterated with no model: a warm-up (worker start-up and the batches the workers
+prefetch), then about ``batches`` timed batches, in whole rounds of the workers and within the
+first epoch where it is long enough, or ``seconds``: the loader's steady pace, as training sees
+it between epochs. Persistent workers change what happens *at* an epoch's start, so they are
+timed over whole epochs, against the script's loader timed the same way. Configurations
+alternate, in reversed order every other repeat, so that drift on a busy machine spreads over
+all of them, and medians of the repeats are compared.
+
+Every run starts from the same random state and fingerprints every batch it delivers
+(:mod:`~fastfeed.doctor.fingerprint`): a configuration keeps the batches when its fingerprints
+equal the script's loader's; when they differ, the answer is "no" only if the script's loader
+gave the same batches in every repeat (else the pipeline draws randomness a seed does not fix,
+and the doctor cannot tell).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import statistics
+import time
+from collections.abc import Callable, Generator, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from fastfeed._proc import available_cpus
+from fastfeed.doctor.fingerprint import fingerprint, resolve
+from fastfeed.doctor.loaders import LoaderSpec
+from fastfeed.progress import progress
+from fastfeed.telemetry import batch_length
+from fastfeed.tree import map_tensors
+
+__all__ = ["BASELINE", "Config", "Result", "TrialPlan", "ready_ms", "run_trials"]
+
+BASELINE = "yours"  # the key of the script's own loader
+# Prefetched batches a run warms up with, at most, however many the workers prefetch.
+_MAX_WARMUP = 16
+
+
+@dataclass
+class Config:
+    """One way to load the script's data.
+
+    Attributes:
+        key: a short name (``"swap"``, ``"auto"``, ...); the script's own loader is
+            :data:`BASELINE`.
+        change: the line a user pastes to get it; empty for the script's own loader.
+        build: makes a fresh loader.
+        context: entered around building and iterating (a patch, say).
+        note: said with the result.
+        settled: reads something the run learned from its loader (the workers "auto" chose).
+        epochs: time whole epochs, their start included, after a first one (what persistent
+            workers change); by default a run times the steady pace within the first epoch.
+        against: the key of the configuration its speed-up is measured against.
+    """
+
+    key: str
+    change: str
+    build: Callable[[], DataLoader]
+    context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
+    note: str = ""
+    settled: Callable[[DataLoader], str] | None = None
+    epochs: bool = False
+    against: str = BASELINE
+
+
+@dataclass
+class _Run:
+    rate: float
+    fingerprints: list[tuple[Any, ...]]
+    ready_ms: list[float]
+    settled: str
+
+
+@dataclass
+class Result:
+    """A configuration's median samples/s, its speed-up over the script's loader, and whether
+    it gave the same batches (``None``: the doctor cannot tell); ``error`` when a run failed."""
+
+    key: str
+    change: str
+    samples_per_s: float
+    rates: list[float]
+    speedup: float
+    same_batches: bool | None
+    note: str = ""
+    error: str = ""
+
+
+@dataclass
+class TrialPlan:
+    """How long each run lasts, and what the script did with a batch (``to(device)``).
+
+    ``prefetched`` is how many batches the script's workers fetch ahead (0 without workers):
+    each run warms up with its first batch and that many more (at least one), and the
+    script's loader's runs time the ``next()`` of those, once its workers have had time to
+    prepare them.
+    """
+
+    spec: LoaderSpec
+    batches: int = 30
+    seconds: float = 10.0
+    repeats: int = 3
+    prefetched: int = 0
+    device: torch.device | None = None
+    results: dict[str, list[_Run]] = field(default_factory=dict)
+
+    @property
+    def warmup(self) -> int:
+        return 1 + min(_MAX_WARMUP, max(1, self.prefetched))
+
+    @property
+    def rounds(self) -> int:
+        """Workers deliver in rounds (torch's order is round-robin): a run times whole rounds,
+        so that where it starts within a round does not bias its rate."""
+        workers = self.spec.workers
+        return max(1, available_cpus() if workers == "auto" else int(workers))
+
+    def counts(self, config: Config) -> tuple[int, int]:
+        """``(warm-up, timed)`` batches of a run of ``config``: whole rounds within the first
+        epoch where it is long enough; a first epoch, then two, in ``epochs`` mode."""
+        length = self.spec.length
+        if config.epochs:
+            assert length is not None, "epochs mode needs a loader that ends its epochs"
+            return length, 2 * length
+        rounds = max(1, round(self.batches / self.rounds))
+        if length is not None:
+            rounds = max(1, min(rounds, (length - self.warmup) // self.rounds))
+        return self.warmup, rounds * self.rounds
+
+    def consume(self, batch: Any) -> Any:
+        device = self.device
+        if device is None:
+            return batch
+        return map_tensors(lambda t: t.to(device, non_blocking=True), batch)
+
+
+def _endless(loader: DataLoader) -> Generator[Any, None, None]:
+    """Batches epoch after epoch: a new epoch's start-up counts, as it does in training."""
+    while True:
+        empty = True
+        for batch in loader:
+            empty = False
+            yield batch
+        if empty:
+            raise RuntimeError("the loader yielded no batches")
+
+
+def _warm_up(batches: Iterator[Any], plan: TrialPlan, count: int, ready: bool
+             ) -> tuple[list[list[Any]], list[float]]:
+    """The first batch (worker start-up), then the batches the workers prefetch: their
+    fingerprints and, with ``ready``, how long ``next()`` took for each of them after a pause
+    long enough for the workers to have them ready: the main process's own cost of a batch
+    (receiving and rebuilding it)."""
+    asked = time.perf_counter()
+    prints = [fingerprint(plan.consume(next(batches)))]
+    if ready:
+        # The first batch took about one batch's work (and the start-up): each worker has
+        # prefetched/rounds batches to make.
+        first = time.perf_counter() - asked
+        time.sleep(min(1.0, 2 * first * plan.prefetched / plan.rounds))
+    ready_ms = []
+    for _ in range(count - 1):
+        asked = time.perf_counter()
+        prints.append(fingerprint(plan.consume(next(batches))))
+        ready_ms.append(1000 * (time.perf_counter() - asked))
+    return prints, ready_ms if ready else []
+
+
+def _run_once(config: Config, plan: TrialPlan) -> _Run:
+    plan.spec.reset_random()
+    auto_collation = plan.spec.batch_size is not None
+    with config.context():
+        loader = config.build()
+        batches = _endless(loader)
+        try:
+            warmup, timed = plan.counts(config)
+            prints, ready = _warm_up(batches, plan, warmup,
+                                     config.key == BASELINE and plan.prefetched > 0)
+            samples = 0
+            start = time.perf_counter()  # the last warm-up batch has just arrived
+            for count in range(1, timed + 1):
+                batch = plan.consume(next(batches))
+                prints.append(fingerprint(batch))
+                samples += batch_length(batch, auto_collation)
+                if (not config.epochs and count % plan.rounds == 0
+                        and time.perf_counter() - start > plan.seconds):
+                    break
+            if plan.device is not None and plan.device.type == "cuda":
+                torch.cuda.synchronize(plan.device)
+            elapsed = time.perf_counter() - start
+            settled = config.settled(loader) if config.settled is not None else ""
+        finally:
+            batches.close()  # ends the epoch's iterator: its workers stop
+            del batches, loader
+            gc.collect()
+    return _Run(samples / elapsed, resolve(prints), ready, settled)
+
+
+def _same(runs: list[_Run], baseline: list[_Run]) -> bool | None:
+    reference = baseline[0].fingerprints
+    if all(run.fingerprints[:len(reference)] == reference[:len(run.fingerprints)]
+           for run in runs):
+        return True
+    reproducible = len(baseline) > 1 and all(
+        run.fingerprints[:len(reference)] == reference[:len(run.fingerprints)]
+        for run in baseline[1:])
+    return False if reproducible else None
+
+
+def run_trials(configs: list[Config], plan: TrialPlan, desc: str = "fastfeed doctor"
+               ) -> list[Result]:
+    """Run every configuration ``plan.repeats`` times, alternated, and compare each with the
+    configuration it names (the script's own loader, by default). Results in the order of
+    ``configs``."""
+    runs: dict[str, list[_Run]] = {config.key: [] for config in configs}
+    errors: dict[str, str] = {}
+    schedule = [c for r in range(plan.repeats) for c in (configs if r % 2 == 0 else configs[::-1])]
+    for config in progress(schedule, total=len(schedule), desc=f"{desc}: loader-alone runs"):
+        if config.key in errors:
+            continue
+        try:
+            runs[config.key].append(_run_once(config, plan))
+        except Exception as error:  # one option failing must not cost the others
+            errors[config.key] = f"{type(error).__name__}: {error}"
+    plan.results.update(runs)
+    rates = {key: statistics.median(run.rate for run in done) for key, done in runs.items()
+             if done}
+    results = []
+    for config in configs:
+        if config.key in errors:
+            results.append(Result(config.key, config.change, 0.0, [], 0.0, None, config.note,
+                                  errors[config.key]))
+            continue
+        done, against = runs[config.key], runs.get(config.against, [])
+        note = "; ".join(text for text in (config.note, done[-1].settled) if text)
+        base = rates.get(config.against, 0.0)
+        results.append(Result(config.key, config.change, rates[config.key],
+                              [run.rate for run in done],
+                              rates[config.key] / base if base else 0.0,
+                              _same(done, against) if against else None, note))
+    return results
+
+
+def ready_ms(plan: TrialPlan) -> float | None:
+    """The script's loader's median ``next()`` time for a batch its workers had ready."""
+    times = [t for run in plan.results.get(BASELINE, []) for t in run.ready_ms]
+    return statistics.median(times) if times else None

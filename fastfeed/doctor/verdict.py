@@ -1,0 +1,63 @@
+"""The verdict: is training waiting for data, or is the loader not the bottleneck?
+
+A pure function of three measured numbers, so that its rules are tested on numbers:
+
+- **data-bound** when training waits for data at least ``DATA_BOUND`` of each step: a faster
+  loader makes training faster, up to the model's own pace;
+- **compute-bound** when it waits under ``COMPUTE_BOUND`` *and* the loader alone delivers at
+  least ``HEADROOM`` times what training consumes: the loader is not the bottleneck;
+- **balanced** otherwise: the loader just keeps up, so a faster model step (AMP, a bigger GPU,
+  ``torch.compile``) would make training wait for data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["BALANCED", "COMPUTE_BOUND", "DATA_BOUND", "Verdict", "judge"]
+
+DATA_BOUND = "data-bound"
+COMPUTE_BOUND = "compute-bound"
+BALANCED = "balanced"
+
+# A share of each step spent waiting. Below 5 % the wait is within the noise of a step's time;
+# from 15 % on, removing it is worth a change of loader.
+DATA_BOUND_STALL = 0.15
+COMPUTE_BOUND_STALL = 0.05
+# How much faster than training the loader alone must be to call it not the bottleneck: with
+# less room, the model and the workers compete for the same cores during training.
+HEADROOM = 1.5
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """``name`` is one of :data:`DATA_BOUND`, :data:`COMPUTE_BOUND`, :data:`BALANCED`;
+    ``evidence`` says why, in sentences a newcomer can read."""
+
+    name: str
+    evidence: tuple[str, ...]
+
+    @property
+    def loader_helps(self) -> bool:
+        """Whether a faster loader can speed training up (else the doctor sells nothing)."""
+        return self.name != COMPUTE_BOUND
+
+
+def judge(stall: float, consumer: float, ceiling: float | None) -> Verdict:
+    """Decide from the stall (share of each step spent waiting, in [0, 1]), the samples/s
+    training consumed, and the samples/s the loader alone delivers (``None``: not measured
+    yet, which calls a low stall compute-bound)."""
+    waited = f"training waited for data {100 * stall:.0f}% of each step"
+    room = ceiling / consumer if ceiling is not None and consumer > 0 else None
+    alone = ([] if room is None else
+             [f"the loader alone delivers {ceiling:,.0f} samples/s, {room:.1f}× the "
+              f"{consumer:,.0f} samples/s training consumed"])
+    if stall >= DATA_BOUND_STALL:
+        return Verdict(DATA_BOUND, (waited, *alone))
+    if stall < COMPUTE_BOUND_STALL and (room is None or room >= HEADROOM):
+        return Verdict(COMPUTE_BOUND, (waited, *alone,
+                                       "a faster loader would not make this training faster: "
+                                       "the time is in the model step"))
+    reason = ("the loader just keeps up: a faster model step would make training wait for "
+              "data")
+    return Verdict(BALANCED, (waited, *alone, reason))
