@@ -5,6 +5,8 @@ All are plain C++ with pybind11: none needs torch nor CUDA at build time.
 - ``fastfeed._C``: the gather kernels that copy samples into ring slots.
 - ``fastfeed._warp``: OpenCV's bilinear warp for scale-and-translate matrices, separably
   (Ultralytics' default random perspective).
+- ``fastfeed._hsv``: Ultralytics' HSV jitter (OpenCV's BGR->HSV, a lookup, HSV->BGR) in one pass.
+- ``fastfeed._flags``: release/acquire flags for the Ultralytics image cache shared by processes.
 - ``fastfeed._jpeg``: region-of-interest JPEG decoding, built when libjpeg-turbo's headers are
   present (Debian: libjpeg-dev).
 
@@ -37,6 +39,8 @@ extensions = [
     _extension("fastfeed._C", "csrc/gather.cpp"),
     # Unfused multiply-adds: the kernel must round as OpenCV's does (see the file's head).
     _extension("fastfeed._warp", "csrc/axis_warp.cpp", flags=("-ffp-contract=off", "-fno-wrapv", "-fno-math-errno")),
+    _extension("fastfeed._hsv", "csrc/hsv_jitter.cpp", flags=("-ffp-contract=off", "-fno-math-errno")),
+    _extension("fastfeed._flags", "csrc/shared_flags.cpp"),
 ]
 if _has_libjpeg():
     extensions.append(_extension("fastfeed._jpeg", "csrc/jpeg_crop.cpp", libraries=["jpeg"]))

@@ -47,6 +47,7 @@ _originals: dict[str, Any] = {}
 
 
 def patch(fast_decode: bool = False, augment_device: str | None = None,
+          cache: str | None = None, cache_budget_gib: float | None = None,
           **fastloader_options: Any) -> None:
     r"""Make Ultralytics load its batches with :class:`InfiniteFastLoader`.
 
@@ -70,6 +71,15 @@ def patch(fast_decode: bool = False, augment_device: str | None = None,
             other pixel work after the warp (mixup, cutmix, perspective, Albumentations) stay
             on the CPU, with a warning. See :mod:`fastfeed.ultralytics.gpu_augment`.
             Default: ``None``.
+        cache (str, optional): ``"shared"``: datasets that Ultralytics caches in RAM
+            (``train(cache="ram")`` or ``cache=True``) keep one copy of the decoded images per
+            machine, in ``/dev/shm``, that every DDP rank and every worker maps, filled by
+            whichever process decodes an image first; the images are those of Ultralytics'
+            own ``cache="ram"``, byte for byte (:mod:`fastfeed.ultralytics.shared_cache`).
+            Default: ``None`` (Ultralytics' cache, one per process).
+        cache_budget_gib (float, optional): the most the shared cache may take; past it (or
+            past the free space of ``/dev/shm``) a warning says so and the images are decoded
+            on every read. Default: ``None`` (the free space).
         **fastloader_options: :class:`~fastfeed.FastLoader` keywords that ``DataLoader`` does
             not have, for every loader Ultralytics builds: for example ``worker_mode="thread"``
             or ``log_every=100``.
@@ -78,7 +88,8 @@ def patch(fast_decode: bool = False, augment_device: str | None = None,
         ImportError: Ultralytics is not installed.
         TypeError: an option is not a FastLoader-only keyword.
         ValueError: ``augment_device`` is not a device of this machine, or comes with thread
-            workers, or with ``device`` or ``gpu_transform`` among the options (it sets both).
+            workers, or with ``device`` or ``gpu_transform`` among the options (it sets both);
+            ``cache`` is not ``None`` or ``"shared"``.
 
     .. note:: Multi-GPU (DDP) training is patched too: Ultralytics' workers rebuild the
        trainer from a pickle, with a callback added here that calls :func:`patch` with these
@@ -95,31 +106,53 @@ def patch(fast_decode: bool = False, augment_device: str | None = None,
         if "device" in fastloader_options or "gpu_transform" in fastloader_options:
             raise ValueError("augment_device sets the loader's device and gpu_transform")
         check_device(augment_device)  # now, rather than when training builds its loaders
+    if cache not in (None, "shared"):
+        raise ValueError(f"cache must be None or 'shared', got {cache!r}")
     from ultralytics.data import augment, base, build
     from ultralytics.utils import dist
 
     from fastfeed.ultralytics.decode import reduced_load_image
+    from fastfeed.ultralytics.hsv import exact_hsv
+    from fastfeed.ultralytics.shared_cache import (
+        shared_cache_images,
+        shared_check_cache_ram,
+        shared_load_image,
+    )
     from fastfeed.ultralytics.warp import exact_warp
 
     _originals.setdefault("InfiniteDataLoader", build.InfiniteDataLoader)
     _originals.setdefault("load_image", base.BaseDataset.load_image)
     _originals.setdefault("generate_ddp_file", dist.generate_ddp_file)
+    _originals.setdefault("cache_images", base.BaseDataset.cache_images)
+    _originals.setdefault("check_cache_ram", base.BaseDataset.check_cache_ram)
     if "apply_image" in vars(augment.RandomPerspective):  # its warp since Ultralytics 8.4
         _originals.setdefault("warp", augment.RandomPerspective.apply_image)
         augment.RandomPerspective.apply_image = exact_warp(_originals["warp"])
+    _originals.setdefault("hsv", augment.RandomHSV.apply_image)
+    augment.RandomHSV.apply_image = exact_hsv(_originals["hsv"])
     dist.generate_ddp_file = _patching_ddp_workers(
         _originals["generate_ddp_file"],
-        {"fast_decode": fast_decode, "augment_device": augment_device, **fastloader_options})
+        {"fast_decode": fast_decode, "augment_device": augment_device, "cache": cache,
+         "cache_budget_gib": cache_budget_gib, **fastloader_options})
     build.InfiniteDataLoader = type(InfiniteFastLoader.__name__, (InfiniteFastLoader,),
                                     {"fastloader_options": dict(fastloader_options),
                                      "augment_device": augment_device,
                                      "__module__": __name__})
-    base.BaseDataset.load_image = (reduced_load_image(_originals["load_image"]) if fast_decode
-                                   else _originals["load_image"])
+    load_image = _originals["load_image"]
+    if fast_decode:
+        load_image = reduced_load_image(load_image)
+    base.BaseDataset.cache_images = _originals["cache_images"]
+    base.BaseDataset.check_cache_ram = _originals["check_cache_ram"]
+    if cache == "shared":
+        load_image = shared_load_image(load_image)
+        base.BaseDataset.cache_images = shared_cache_images(
+            _originals["cache_images"], cache_budget_gib, "reduced" if fast_decode else "full")
+        base.BaseDataset.check_cache_ram = shared_check_cache_ram(_originals["check_cache_ram"])
+    base.BaseDataset.load_image = load_image
 
 
 def unpatch() -> None:
-    """Give Ultralytics back its own loader, image reader and warp."""
+    """Give Ultralytics back its own loader, image reader and cache, warp and HSV jitter."""
     if not _originals:
         return
     from ultralytics.data import augment, base, build
@@ -128,8 +161,11 @@ def unpatch() -> None:
     build.InfiniteDataLoader = _originals.pop("InfiniteDataLoader")
     base.BaseDataset.load_image = _originals.pop("load_image")
     dist.generate_ddp_file = _originals.pop("generate_ddp_file")
+    base.BaseDataset.cache_images = _originals.pop("cache_images")
+    base.BaseDataset.check_cache_ram = _originals.pop("check_cache_ram")
     if "warp" in _originals:
         augment.RandomPerspective.apply_image = _originals.pop("warp")
+    augment.RandomHSV.apply_image = _originals.pop("hsv")
 
 
 def is_patched() -> bool:

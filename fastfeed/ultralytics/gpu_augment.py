@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from fastfeed.ultralytics.collate import Empty, SlotCollate, draws_reverse, flatten
+from fastfeed.ultralytics.hsv import draw_lut
 from fastfeed.ultralytics.pixel_ops import hsv_lookup, source_region, warp_regions
 from fastfeed.ultralytics.warp import BORDER
 
@@ -81,17 +82,6 @@ def opencv_hsv_truncates() -> bool:
     return int(cv2.cvtColor(probe, cv2.COLOR_HSV2BGR)[0, 0, 0]) == 194
 
 
-def _hsv_lut(hsv: Any) -> np.ndarray:
-    """The table ``RandomHSV.apply_image`` builds, from the same draw of the global numpy RNG."""
-    r = np.random.uniform(-1, 1, 3) * [hsv.hgain, hsv.sgain, hsv.vgain]
-    x = np.arange(0, 256, dtype=r.dtype)
-    lut_hue = ((x + r[0] * 180) % 180).astype(np.uint8)
-    lut_sat = np.clip(x * (r[1] + 1), 0, 255).astype(np.uint8)
-    lut_val = np.clip(x * (r[2] + 1), 0, 255).astype(np.uint8)
-    lut_sat[0] = 0
-    return np.stack((lut_hue, lut_sat, lut_val))
-
-
 class _Recorder:
     """Replaces the pixel work of one dataset's transforms with records, in one process."""
 
@@ -133,7 +123,7 @@ class _Recorder:
     def _hsv_of(self, hsv: Any) -> Callable[..., dict]:
         def record(labels: dict, params: dict | None = None) -> dict:
             if hsv.hgain or hsv.sgain or hsv.vgain:
-                self.lut, self.apply_hsv = _hsv_lut(hsv), True
+                self.lut, self.apply_hsv = draw_lut(hsv), True
             return labels
 
         return record

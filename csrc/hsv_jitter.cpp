@@ -1,0 +1,228 @@
+// fastfeed._hsv: Ultralytics' RandomHSV (BGR->HSV, a per-channel lookup, HSV->BGR) in one pass,
+// with OpenCV 5's arithmetic, bit for bit.
+//
+// Ultralytics runs cv2.cvtColor(COLOR_BGR2HSV), cv2.LUT and cv2.cvtColor(COLOR_HSV2BGR): three
+// passes over the image and two temporaries. Here each row goes through all three steps in a
+// few planar passes over a block of pixels that stays in L1, written back in place.
+//
+// The arithmetic is OpenCV 5's (modules/imgproc/src/color_hsv.simd.hpp):
+// - BGR->HSV in integers: v = max, diff = v - min, s = (diff * sdiv[v] + 2^11) >> 12,
+//   h from the sector of the maximum times hdiv[diff], rounded the same way, plus 180 if
+//   negative; sdiv[i] = cvRound(255 * 2^12 / i), hdiv[i] = cvRound(180 * 2^12 / 6 / i).
+// - HSV->BGR in float32: h * (6/180), s and v times 1/255, the sector's four values
+//   v, v(1-s), v*fma(-s, f, 1), v*fma(-s, 1-f, 1) (OpenCV's x86 build fuses those two), times
+//   255, truncated to uint8 (OpenCV 4 rounds instead; fastfeed.ultralytics.hsv checks which
+//   before it takes this path).
+// The file is compiled with -ffp-contract=off: only the two explicit fma calls may fuse.
+
+#include <pybind11/pybind11.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+namespace py = pybind11;
+
+namespace {
+
+#if defined(__x86_64__) || defined(__i386__)
+#define FASTFEED_SIMD_TARGET __attribute__((target("avx2,fma")))
+bool has_simd() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
+#else
+#define FASTFEED_SIMD_TARGET
+bool has_simd() { return true; }
+#endif
+
+constexpr int kShift = 12;
+constexpr int kHalf = 1 << (kShift - 1);
+constexpr float kToSector = 6.f / 180.f, kToUnit = 1.f / 255.f;
+
+// numerator / i rounded half to even (cvRound of the double quotient), 0 for i = 0.
+int rounded_quotient(int numerator, int i) {
+    if (i == 0) return 0;
+    const int q = numerator / i, rem = numerator % i;
+    return (2 * rem > i || (2 * rem == i && (q & 1))) ? q + 1 : q;
+}
+
+struct Tables {
+    int32_t sdiv[256], hdiv[256];
+    Tables() {
+        for (int i = 0; i < 256; ++i) {
+            sdiv[i] = rounded_quotient(255 << kShift, i);
+            hdiv[i] = rounded_quotient((180 << kShift) / 6, i);
+        }
+    }
+};
+
+const Tables& tables() {
+    static const Tables t;
+    return t;
+}
+
+struct Luts {
+    int32_t h[256], s[256], v[256];
+};
+
+// One pixel, in place: the reference for the vector path, and its tail.
+FASTFEED_SIMD_TARGET inline void jitter_pixel(uint8_t* px, const Luts& lut, const Tables& t) {
+    const int b = px[0], g = px[1], r = px[2];
+    const int value = std::max(std::max(b, g), r);
+    const int diff = value - std::min(std::min(b, g), r);
+    const int sat = (diff * t.sdiv[value] + kHalf) >> kShift;
+    const int hue6 = value == r ? g - b : (value == g ? b - r + 2 * diff : r - g + 4 * diff);
+    int hue = (hue6 * t.hdiv[diff] + kHalf) >> kShift;
+    hue += hue < 0 ? 180 : 0;
+
+    float h = static_cast<float>(lut.h[hue]) * kToSector;
+    const float s = static_cast<float>(lut.s[sat]) * kToUnit;
+    const float v = static_cast<float>(lut.v[value]) * kToUnit;
+    h = h >= 6.f ? h - 6.f : h;
+    const float floor_h = std::floor(h);
+    const float f = h - floor_h;
+    const int sector = std::clamp(static_cast<int>(floor_h), 0, 5);
+    const float p = v * (1.f - s);
+    const float q = v * std::fma(-s, f, 1.f);
+    const float u = v * std::fma(-s, 1.f - f, 1.f);
+    // (b, g, r) by sector: (p,u,v) (p,v,q) (u,v,p) (v,q,p) (v,p,u) (q,p,v)
+    const float out[3] = {
+        sector <= 1 ? p : sector == 2 ? u : sector <= 4 ? v : q,
+        sector == 0 ? u : sector <= 2 ? v : sector == 3 ? q : p,
+        sector == 0 ? v : sector == 1 ? q : sector <= 3 ? p : sector == 4 ? u : v};
+    for (int c = 0; c < 3; ++c) {
+        px[c] = static_cast<uint8_t>(std::clamp(static_cast<int>(out[c] * 255.f), 0, 255));
+    }
+}
+
+#if defined(__x86_64__) || defined(__i386__)
+// Helpers of the vector path. Lambdas would not inherit its target attribute.
+FASTFEED_SIMD_TARGET inline __m256 is(__m256i sector, int k) {
+    return _mm256_castsi256_ps(_mm256_cmpeq_epi32(sector, _mm256_set1_epi32(k)));
+}
+
+FASTFEED_SIMD_TARGET inline __m256 pick(__m256 a, __m256 b, __m256 take_b) {
+    return _mm256_blendv_ps(a, b, take_b);
+}
+
+FASTFEED_SIMD_TARGET inline __m256i to_int(__m256 x, __m256 scale) {
+    return _mm256_cvttps_epi32(_mm256_mul_ps(x, scale));
+}
+
+// Eight pixels at a time: the same operations as jitter_pixel, lane by lane.
+FASTFEED_SIMD_TARGET void jitter_row_avx2(uint8_t* px, int n, const Luts& lut, const Tables& t) {
+    // Byte shuffles between 24 interleaved BGR bytes (16 + 8) and the planes [B G] and [R].
+    const __m128i lo_to_bg = _mm_setr_epi8(0, 3, 6, 9, 12, 15, -1, -1, 1, 4, 7, 10, 13, -1, -1, -1);
+    const __m128i hi_to_bg = _mm_setr_epi8(-1, -1, -1, -1, -1, -1, 2, 5, -1, -1, -1, -1, -1, 0, 3, 6);
+    const __m128i lo_to_r = _mm_setr_epi8(2, 5, 8, 11, 14, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+    const __m128i hi_to_r = _mm_setr_epi8(-1, -1, -1, -1, -1, 1, 4, 7, -1, -1, -1, -1, -1, -1, -1, -1);
+    const __m128i bg_to_lo = _mm_setr_epi8(0, 8, -1, 1, 9, -1, 2, 10, -1, 3, 11, -1, 4, 12, -1, 5);
+    const __m128i r_to_lo = _mm_setr_epi8(-1, -1, 0, -1, -1, 1, -1, -1, 2, -1, -1, 3, -1, -1, 4, -1);
+    const __m128i bg_to_hi = _mm_setr_epi8(13, -1, 6, 14, -1, 7, 15, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+    const __m128i r_to_hi = _mm_setr_epi8(-1, 5, -1, -1, 6, -1, -1, 7, -1, -1, -1, -1, -1, -1, -1, -1);
+    const __m256i half = _mm256_set1_epi32(kHalf), full_turn = _mm256_set1_epi32(180);
+    const __m256i zero = _mm256_setzero_si256(), five = _mm256_set1_epi32(5);
+    const __m256 to_sector = _mm256_set1_ps(kToSector), to_unit = _mm256_set1_ps(kToUnit);
+    const __m256 one = _mm256_set1_ps(1.f), six = _mm256_set1_ps(6.f);
+    const __m256 scale = _mm256_set1_ps(255.f);
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        uint8_t* p8 = px + 3 * i;
+        const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p8));
+        const __m128i hi = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p8 + 16));
+        const __m128i bg = _mm_or_si128(_mm_shuffle_epi8(lo, lo_to_bg), _mm_shuffle_epi8(hi, hi_to_bg));
+        const __m128i r8 = _mm_or_si128(_mm_shuffle_epi8(lo, lo_to_r), _mm_shuffle_epi8(hi, hi_to_r));
+        const __m256i b = _mm256_cvtepu8_epi32(bg);
+        const __m256i g = _mm256_cvtepu8_epi32(_mm_srli_si128(bg, 8));
+        const __m256i r = _mm256_cvtepu8_epi32(r8);
+
+        const __m256i value = _mm256_max_epi32(_mm256_max_epi32(b, g), r);
+        const __m256i diff = _mm256_sub_epi32(value, _mm256_min_epi32(_mm256_min_epi32(b, g), r));
+        const __m256i sat = _mm256_srai_epi32(_mm256_add_epi32(
+            _mm256_mullo_epi32(diff, _mm256_i32gather_epi32(t.sdiv, value, 4)), half), kShift);
+        const __m256i diff2 = _mm256_add_epi32(diff, diff);
+        const __m256i from_r = _mm256_sub_epi32(g, b);
+        const __m256i from_g = _mm256_add_epi32(_mm256_sub_epi32(b, r), diff2);
+        const __m256i from_b = _mm256_add_epi32(_mm256_sub_epi32(r, g), _mm256_add_epi32(diff2, diff2));
+        const __m256i hue6 = _mm256_blendv_epi8(
+            _mm256_blendv_epi8(from_b, from_g, _mm256_cmpeq_epi32(value, g)), from_r,
+            _mm256_cmpeq_epi32(value, r));
+        __m256i hue = _mm256_srai_epi32(_mm256_add_epi32(
+            _mm256_mullo_epi32(hue6, _mm256_i32gather_epi32(t.hdiv, diff, 4)), half), kShift);
+        hue = _mm256_add_epi32(hue, _mm256_and_si256(_mm256_cmpgt_epi32(zero, hue), full_turn));
+
+        __m256 h = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_i32gather_epi32(lut.h, hue, 4)), to_sector);
+        const __m256 s = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_i32gather_epi32(lut.s, sat, 4)), to_unit);
+        const __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_i32gather_epi32(lut.v, value, 4)), to_unit);
+        h = _mm256_blendv_ps(h, _mm256_sub_ps(h, six), _mm256_cmp_ps(h, six, _CMP_GE_OQ));
+        const __m256 floor_h = _mm256_floor_ps(h);
+        const __m256 f = _mm256_sub_ps(h, floor_h);
+        const __m256i sector = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvttps_epi32(floor_h), zero), five);
+        const __m256 p = _mm256_mul_ps(v, _mm256_sub_ps(one, s));
+        const __m256 q = _mm256_mul_ps(v, _mm256_fnmadd_ps(s, f, one));
+        const __m256 u = _mm256_mul_ps(v, _mm256_fnmadd_ps(s, _mm256_sub_ps(one, f), one));
+        const __m256 s0 = is(sector, 0), s1 = is(sector, 1), s2 = is(sector, 2);
+        const __m256 s3 = is(sector, 3), s4 = is(sector, 4);
+        // (b, g, r) by sector: (p,u,v) (p,v,q) (u,v,p) (v,q,p) (v,p,u) (q,p,v)
+        const __m256 bf = pick(pick(pick(q, v, _mm256_or_ps(s3, s4)), u, s2), p, _mm256_or_ps(s0, s1));
+        const __m256 gf = pick(pick(pick(p, q, s3), v, _mm256_or_ps(s1, s2)), u, s0);
+        const __m256 rf = pick(pick(pick(pick(v, u, s4), p, _mm256_or_ps(s2, s3)), q, s1), v, s0);
+        // Values lie in [0, 255]: the saturating packs only narrow them.
+        const __m256i bg16 = _mm256_packus_epi32(to_int(bf, scale), to_int(gf, scale));  // per 128-bit lane
+        const __m256i r16 = _mm256_packus_epi32(to_int(rf, scale), zero);
+        const __m256i bg_order = _mm256_permute4x64_epi64(bg16, 0xD8);  // b0-7, g0-7 as int16
+        const __m256i r_order = _mm256_permute4x64_epi64(r16, 0xD8);
+        const __m128i bg_out = _mm_packus_epi16(_mm256_castsi256_si128(bg_order),
+                                                _mm256_extracti128_si256(bg_order, 1));
+        const __m128i r_out = _mm_packus_epi16(_mm256_castsi256_si128(r_order),
+                                               _mm256_castsi256_si128(r_order));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(p8),
+                         _mm_or_si128(_mm_shuffle_epi8(bg_out, bg_to_lo), _mm_shuffle_epi8(r_out, r_to_lo)));
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(p8 + 16),
+                         _mm_or_si128(_mm_shuffle_epi8(bg_out, bg_to_hi), _mm_shuffle_epi8(r_out, r_to_hi)));
+    }
+    for (; i < n; ++i) jitter_pixel(px + 3 * i, lut, t);
+}
+#endif
+
+void jitter_row(uint8_t* px, int n, const Luts& lut, const Tables& t) {
+#if defined(__x86_64__) || defined(__i386__)
+    if (has_simd()) {
+        jitter_row_avx2(px, n, lut, t);
+        return;
+    }
+#endif
+    for (int i = 0; i < n; ++i) jitter_pixel(px + 3 * i, lut, t);
+}
+
+// In place on an HxWx3 uint8 BGR image whose rows are `stride` bytes apart; `lut` is the
+// 3x256 uint8 table of hue, saturation and value.
+void hsv_jitter(uintptr_t image, int height, int width, int64_t stride, uintptr_t lut_ptr) {
+    const auto* table = reinterpret_cast<const uint8_t*>(lut_ptr);
+    Luts lut;
+    for (int i = 0; i < 256; ++i) {
+        lut.h[i] = table[i];
+        lut.s[i] = table[256 + i];
+        lut.v[i] = table[512 + i];
+    }
+    const Tables& t = tables();
+    auto* base = reinterpret_cast<uint8_t*>(image);
+    py::gil_scoped_release release;
+    for (int y = 0; y < height; ++y) {
+        jitter_row(base + y * stride, width, lut, t);
+    }
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_hsv, m) {
+    m.doc() = "Ultralytics' RandomHSV in one pass, with OpenCV 5's arithmetic.";
+    m.def("available", &has_simd, "Whether this CPU runs the kernel at full speed (AVX2, FMA).");
+    m.def("hsv_jitter", &hsv_jitter, py::arg("image"), py::arg("height"), py::arg("width"),
+          py::arg("stride"), py::arg("lut"),
+          "Convert an HxWx3 uint8 BGR image (rows `stride` bytes apart) to HSV, map each "
+          "channel through a 3x256 uint8 table and convert back, in place, as cv2.cvtColor, "
+          "cv2.LUT and cv2.cvtColor do.");
+}
