@@ -143,7 +143,8 @@ def diagnose(diagnosis: Diagnosis, captured: Captured, probe: Probe, settings: S
     device = _device()
     try:
         stages, batch = profile_samples(spec.dataset, spec.arguments.get("collate_fn"),
-                                        spec.batch_size, settings.profile_seconds)
+                                        spec.batch_size, settings.profile_seconds,
+                                        threads=None if spec.workers == 0 else 1)
     except Exception as error:
         stages, batch = [], None
         diagnosis.notes.append(f"per-sample stages not measured: {type(error).__name__}: "

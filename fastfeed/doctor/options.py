@@ -36,6 +36,8 @@ from fastfeed.loader import FastLoader
 
 __all__ = ["configurations"]
 
+# Decode functions that open images with Pillow (torchvision's, and by name a user's).
+_PILLOW_LOADERS = ("pil_loader", "default_loader", "PIL", "pil")
 # Worker start-up as a share of an epoch above which persistent workers are worth measuring.
 STARTUP_SHARE = 0.05
 
@@ -150,7 +152,8 @@ def configurations(spec: LoaderSpec, stages: list[StageCost], device: torch.devi
     elif not torch.cuda.is_available():
         unmeasured.append(Unmeasured('device="cuda", pin_memory=True',
                                      "no GPU on this machine"))
-    decode = next((s for s in stages if s.kind == DECODE and "pil" in s.stage.lower()), None)
+    decode = next((s for s in stages if s.kind == DECODE and any(
+        name in s.stage for name in _PILLOW_LOADERS)), None)
     if decode is not None and not _pillow_simd():
         unmeasured.append(Unmeasured("pip install pillow-simd", (
             f"not installed here, so its speed on your images cannot be measured (Pillow's "

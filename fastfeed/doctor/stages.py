@@ -1,7 +1,8 @@
 """Where a sample's time goes: each stage of the dataset's own pipeline, timed by name.
 
 After the script has stopped, the doctor reads a few dozen samples of the script's dataset in
-its own process, with timers put around what it recognises, and takes them off again:
+its own process, with one intra-op thread as a loader worker has, and with timers put around
+what it recognises, taken off again after:
 
 - the **file read**: the raw bytes of the sample's file, where the dataset lists its files
   (``samples`` of a torchvision ``ImageFolder``/``DatasetFolder``, ``im_files`` of Ultralytics);
@@ -27,6 +28,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch.utils.data import Dataset, IterableDataset, Subset
 
 __all__ = ["StageClock", "StageCost", "profile_samples"]
@@ -197,7 +199,7 @@ def _until(deadline: float, most: int, least: int) -> Iterator[int]:
 
 def profile_samples(dataset: Any, collate_fn: Callable[[Any], Any] | None,
                     batch_size: int | None, budget_s: float = 3.0, most: int = 64,
-                    least: int = 4) -> tuple[list[StageCost], Any]:
+                    least: int = 4, threads: int | None = 1) -> tuple[list[StageCost], Any]:
     """Milliseconds per sample of each stage, largest first (see the module's docstring), and
     the last batch collated (``None`` without a collate function).
 
@@ -206,15 +208,22 @@ def profile_samples(dataset: Any, collate_fn: Callable[[Any], Any] | None,
         collate_fn, batch_size: the loader's; ``batch_size=None`` collates sample by sample.
         budget_s: stop reading after this long, once ``least`` samples are read.
         most: read at most this many samples.
+        threads: torch's intra-op threads while reading: 1 by default, as torch sets in each
+            loader worker (more would also measure thread contention on a busy machine);
+            ``None`` keeps this process's (for a loader without workers).
     """
     clock = StageClock()
     instruments = _Instruments(clock)
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
     try:
         instruments.dataset(dataset)
         getitem = "__getitem__ (rest)" if instruments.installed else "__getitem__"
         samples = _samples(dataset, clock, getitem, budget_s, most, least)
     finally:
         instruments.restore()
+        torch.set_num_threads(before)
     batch = None
     if collate_fn is not None and samples:
         size = batch_size or 1

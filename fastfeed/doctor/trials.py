@@ -124,9 +124,10 @@ class TrialPlan:
 
     def counts(self, config: Config) -> tuple[int, int]:
         """``(warm-up, timed)`` batches of a run of ``config``: whole rounds within the first
-        epoch where it is long enough; a first epoch, then two, in ``epochs`` mode."""
+        epoch where it is long enough; a first epoch, then two, in ``epochs`` mode or when
+        epochs are too short to hold a warm-up and a round (their starts then count)."""
         length = self.spec.length
-        if config.epochs:
+        if config.epochs or (length is not None and length < self.warmup + self.rounds):
             assert length is not None, "epochs mode needs a loader that ends its epochs"
             return length, 2 * length
         rounds = max(1, round(self.batches / self.rounds))

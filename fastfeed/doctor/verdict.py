@@ -53,7 +53,10 @@ def judge(stall: float, consumer: float, ceiling: float | None) -> Verdict:
              [f"the loader alone delivers {ceiling:,.0f} samples/s, {room:.1f}× the "
               f"{consumer:,.0f} samples/s training consumed"])
     if stall >= DATA_BOUND_STALL:
-        return Verdict(DATA_BOUND, (waited, *alone))
+        shared = ([] if room is None or room < HEADROOM else
+                  ["so the loader keeps pace on its own: training waits for what it shares "
+                   "with the loader (CPU cores, the main process's work per batch)"])
+        return Verdict(DATA_BOUND, (waited, *alone, *shared))
     if stall < COMPUTE_BOUND_STALL and (room is None or room >= HEADROOM):
         return Verdict(COMPUTE_BOUND, (waited, *alone,
                                        "a faster loader would not make this training faster: "

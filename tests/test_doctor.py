@@ -1,0 +1,383 @@
+"""``fastfeed doctor``: the probe, the stage clock, the verdict and the rebuild, in process;
+then the command on small scripts (tests/doctor_scripts/): the costly transform named first, a
+compute-bound loop sold nothing, batches unchanged under the doctor, and bad input as one line.
+
+Verdicts are made robust by extreme scripts (a transform that sleeps 10 ms, a step that sleeps
+200 ms), never by timing thresholds in the tests.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import assert_same, run_epochs
+from procs import alive
+from sample_datasets import MixedDataset, TensorDataset
+from torch.utils.data import DataLoader
+
+from fastfeed import FastLoader
+from fastfeed.__main__ import main
+from fastfeed.doctor.fingerprint import fingerprint, resolve
+from fastfeed.doctor.gpu_waits import GpuWaits
+from fastfeed.doctor.loaders import LoaderSpec
+from fastfeed.doctor.probe import Probe, Window, WindowClosed
+from fastfeed.doctor.stages import StageClock, profile_samples
+from fastfeed.doctor.verdict import BALANCED, COMPUTE_BOUND, DATA_BOUND, judge
+
+SCRIPTS = Path(__file__).parent / "doctor_scripts"
+# Short windows and one loader-alone run per configuration: these tests check what the doctor
+# says, not how precisely it measures.
+QUICK = ["--repeats", "1", "--trial-batches", "4", "--trial-seconds", "2"]
+
+
+def doctor(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "fastfeed", "doctor", *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def doctor_here(capfd, *args: str) -> tuple[int, str, str]:
+    """The command in this process (its measuring process writes to the same descriptors):
+    a second start of Python and torch less than :func:`doctor`."""
+    code = main(["doctor", *args])
+    out, err = capfd.readouterr()
+    return code, out, err
+
+
+# -- in process -------------------------------------------------------------------------------
+
+
+def test_verdict_rules():
+    assert judge(0.6, 100, 110).name == DATA_BOUND
+    assert judge(0.15, 100, None).name == DATA_BOUND
+    assert judge(0.01, 100, 1000).name == COMPUTE_BOUND
+    assert judge(0.01, 100, None).name == COMPUTE_BOUND  # before the ceiling is measured
+    assert judge(0.01, 100, 120).name == BALANCED  # barely waits, but no room to spare
+    assert judge(0.10, 100, 1000).name == BALANCED
+    assert not judge(0.01, 100, 1000).loader_helps
+    assert "10.0×" in " ".join(judge(0.01, 100, 1000).evidence)
+
+
+class Subclassed(DataLoader):
+    """A loader whose ``__iter__`` draws from ``super().__iter__()``, as frameworks' do."""
+
+    def __iter__(self):
+        yield from super().__iter__()
+
+
+def _loaders():
+    return [DataLoader(TensorDataset(24), batch_size=4, shuffle=True),
+            Subclassed(TensorDataset(24), batch_size=4, shuffle=True, num_workers=2),
+            FastLoader(MixedDataset(24), batch_size=4, shuffle=True, num_workers=2)]
+
+
+def test_probe_times_every_batch_and_changes_none():
+    originals = (DataLoader.__init__, DataLoader.__iter__, FastLoader.__iter__,
+                 Subclassed.__iter__)
+    expected = [run_epochs(loader, 2, seed=5) for loader in _loaders()]
+    probe = Probe(Window(warmup=0, batches=1000, seconds=1e9))
+    probe.install()
+    try:
+        loaders = _loaders()
+        seen = [run_epochs(loader, 2, seed=5) for loader in loaders]
+    finally:
+        probe.uninstall()
+    for mine, theirs in zip(seen, expected, strict=True):
+        assert_same(mine, theirs)
+    # One trace per loader (the subclass's inner super().__iter__ is not timed twice), every
+    # batch of both epochs delivered and counted with its samples.
+    assert [t.batches for t in probe.traces] == [12, 12, 12]
+    assert all(sum(t.samples) == 48 for t in probe.traces)
+    assert all(w >= 0 for t in probe.traces for w in t.waits)
+    assert [t.name.rsplit(".", 1)[-1] for t in probe.traces] == [
+        "DataLoader", "Subclassed", "FastLoader"]
+    assert (DataLoader.__init__, DataLoader.__iter__, FastLoader.__iter__,
+            Subclassed.__iter__) == originals
+    assert loaders[2].stats().batches == 12  # FastLoader still found its own iterator
+
+
+def test_window_closes_with_the_step_after_it():
+    opened, closed = [], []
+    probe = Probe(Window(warmup=2, batches=3, seconds=1e9),
+                  on_start=lambda t, _: opened.append(t.batches),
+                  on_close=lambda t, _: closed.append(t.batches))
+    probe.install()
+    try:
+        loader = DataLoader(TensorDataset(40), batch_size=2)
+        got = []
+        with pytest.raises(WindowClosed):
+            for batch in loader:
+                got.append(batch)
+        with pytest.raises(WindowClosed):  # and every later request, from any loader
+            next(iter(DataLoader(TensorDataset(4))))
+    finally:
+        probe.uninstall()
+    # Two warm-up batches, then three steps: the third step ends at the sixth request.
+    assert len(got) == 5 and opened == [2] and closed == [5]
+    assert probe.closed_by is probe.traces[0] and len(probe.traces[0].computes) == 5
+
+
+def test_let_finish_passes_batches_through_after_the_window():
+    probe = Probe(Window(warmup=0, batches=2, seconds=1e9, stop=False))
+    probe.install()
+    try:
+        batches = list(DataLoader(TensorDataset(20), batch_size=2))
+    finally:
+        probe.uninstall()
+    assert len(batches) == 10 and probe.closed and probe.traces[0].batches == 3
+
+
+def test_steps_with_another_loaders_batches_are_marked():
+    probe = Probe(Window(warmup=0, batches=100, seconds=1e9))
+    probe.install()
+    try:
+        train, val = DataLoader(TensorDataset(8)), DataLoader(TensorDataset(2))
+        for step, _ in enumerate(train):
+            if step == 2:
+                list(val)  # a validation pass inside the third step
+    finally:
+        probe.uninstall()
+    assert probe.traces[0].clean == [True, True, False, True, True, True, True, True]
+
+
+class FakeEvent:
+    """A CUDA event on a simulated GPU clock: completes when ``gpu.now`` passes its time."""
+
+    def __init__(self, gpu):
+        self.gpu, self.at = gpu, None
+
+    def record(self):
+        self.at = max(self.gpu.busy_until, self.gpu.now)  # after the work queued before it
+
+    def query(self):
+        return self.gpu.now >= self.at
+
+    def synchronize(self):
+        self.gpu.now = max(self.gpu.now, self.at)
+
+    def elapsed_time(self, end):
+        assert self.query() and end.query(), "read before it completed"
+        return 1000 * (end.at - self.at)
+
+
+class FakeGpu:
+    now = 0.0
+    busy_until = 0.0
+
+
+def test_gpu_waits_count_only_the_time_the_gpu_had_nothing_queued():
+    gpu = FakeGpu()
+    waits = GpuWaits(active=lambda: True, event=lambda: FakeEvent(gpu))
+    gpu.busy_until = 0.5  # work queued until 0.5 s; the host asks for a batch at 0.1 s
+    gpu.now = 0.1
+    mark = waits.request()
+    gpu.now = 0.3  # the batch arrives at 0.3 s, while the GPU is still busy: no idle time
+    waits.deliver(0, mark)
+    assert waits.idle_s == {}  # not read before the events complete
+    gpu.now, gpu.busy_until = 0.6, 0.6
+    mark = waits.request()
+    gpu.now = 0.9  # the GPU was idle from 0.6 s until this batch arrived
+    waits.deliver(1, mark)
+    waits.finish()
+    assert waits.idle_s == pytest.approx({0: 0.0, 1: 0.3})
+    assert GpuWaits(active=lambda: False).request() is None  # no CUDA context made here
+
+
+def test_stage_clock_charges_each_stage_its_own_time():
+    now = [0.0]
+    clock = StageClock(lambda: now[0])
+
+    def inner():
+        now[0] += 2
+
+    def outer():
+        now[0] += 1
+        clock.run("inner", "transform", inner)
+        now[0] += 3
+
+    clock.run("outer", "transform", outer)
+    assert clock.seconds == {"inner": 2, "outer": 4}
+
+
+class Sleepy:
+    def __call__(self, x):
+        import time
+
+        time.sleep(0.005)
+        return x
+
+
+class Pipeline:
+    def __init__(self, transforms):
+        self.transforms = transforms
+
+    def __call__(self, x):
+        for t in self.transforms:
+            x = t(x)
+        return x
+
+
+class Folder(torch.utils.data.Dataset):
+    def __init__(self, files):
+        self.samples = [(str(f), 0) for f in files]
+        self.loader = lambda path: torch.tensor(list(Path(path).read_bytes()), dtype=torch.float)
+        self.transform = Pipeline([torch.neg, Pipeline([Sleepy(), torch.abs])])
+
+    def __len__(self):
+        return len(self.samples)
+
+    def __getitem__(self, i):
+        path, target = self.samples[i]
+        return self.transform(self.loader(path)), target
+
+
+def test_profile_names_each_stage_and_puts_everything_back(tmp_path):
+    files = []
+    for i in range(6):
+        files.append(tmp_path / f"{i}.bin")
+        files[-1].write_bytes(bytes(range(i, i + 16)))
+    dataset = Folder(files)
+    before = (list(dataset.transform.transforms), list(dataset.transform.transforms[1].transforms),
+              dataset.loader)
+    costs, batch = profile_samples(dataset, torch.utils.data.default_collate, 3)
+    names = [c.stage for c in costs]
+    assert names[0] == "Sleepy"
+    assert set(names) == {"Sleepy", "builtin_function_or_method", "builtin_function_or_method #2",
+                          "Pipeline", "file read", "open + decode (<lambda>)",
+                          "__getitem__ (rest)", "collate"}
+    assert [c.ms for c in costs] == sorted((c.ms for c in costs), reverse=True)
+    assert batch[0].shape == (3, 16)
+    assert (list(dataset.transform.transforms), list(dataset.transform.transforms[1].transforms),
+            dataset.loader) == before
+    assert "loader" in vars(dataset) and dataset[0][0].shape == (16,)
+
+
+def test_loader_spec_rebuilds_the_same_batches():
+    generator = torch.Generator().manual_seed(7)
+    loader = DataLoader(MixedDataset(20), batch_size=3, shuffle=True, num_workers=2,
+                        generator=generator, drop_last=True)
+    spec = LoaderSpec.of(loader)
+    assert spec.batch_size == 3 and spec.length == 6 and spec.workers == 2
+    spec.reset_random()
+    first = list(spec.build())
+    spec.reset_random()  # the generator is put back: the same shuffle and worker seeds again
+    assert_same(list(spec.build(fast=True)), first)
+    spec.reset_random()
+    assert_same(list(spec.build()), first)
+
+
+def test_fingerprints_tell_batches_apart():
+    batch = {"x": torch.arange(10_000.0).reshape(100, 100), "y": ["a", "b"]}
+    same = {"x": torch.arange(10_000.0).reshape(100, 100), "y": ["a", "b"]}
+    flipped = {"x": batch["x"].flip(0), "y": ["a", "b"]}
+    renamed = {"x": batch["x"], "y": ["a", "c"]}
+    a, b, c, d = resolve([fingerprint(v) for v in (batch, same, flipped, renamed)])
+    assert a == b and a != c and a != d
+
+
+# -- the command ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def costly(tmp_path_factory):
+    out = tmp_path_factory.mktemp("costly")
+    run = doctor("--warmup", "2", "--batches", "8", *QUICK, "--json", str(out / "d.json"),
+                 "--out", str(out), str(SCRIPTS / "costly_transform.py"))
+    return run, out
+
+
+def test_costly_transform_is_named_first_and_the_run_data_bound(costly):
+    run, out = costly
+    assert run.returncode == 0, run.stderr
+    found = json.loads((out / "d.json").read_text())
+    assert found["verdict"] == "data-bound"
+    assert found["per_sample_ms"][0]["stage"] == "SlowBlur"
+    assert {"ToFloat", "Flip", "collate"} <= {s["stage"] for s in found["per_sample_ms"]}
+    assert found["loader"]["class"] == "torch.utils.data.dataloader.DataLoader"
+    assert found["loader"]["batch_size"] == 8 and found["loader"]["num_workers"] == 2
+    assert 0 <= found["stall_fraction"] <= 1
+    assert found["consumer_samples_per_s"] > 0 and found["loader_ceiling_samples_per_s"] > 0
+    measured = {o["key"]: o for o in found["measured"]}
+    assert {"yours", "swap", "auto"} <= set(measured)
+    assert measured["swap"]["same_batches"] is True  # the contract, checked by fingerprints
+    for option in found["recommendations"]:
+        assert set(option) >= {"change", "speedup", "same_batches"}
+        assert option["speedup"] >= 1.1 and option["change"]
+    assert any("no GPU" in u["reason"] for u in found["unmeasured"])
+    assert "DATA-BOUND" in run.stdout and "SlowBlur" in run.stdout
+    assert len(found["timeline_ms"]["wait"]) == 8
+
+
+def test_pictures_are_written(costly):
+    pytest.importorskip("matplotlib")
+    _, out = costly
+    for name in ("timeline.png", "stages.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_compute_bound_loop_is_sold_nothing(tmp_path):
+    run = doctor("--warmup", "3", "--batches", "5", *QUICK, "--json", str(tmp_path / "d.json"),
+                 str(SCRIPTS / "compute_bound.py"))
+    assert run.returncode == 0, run.stderr
+    found = json.loads((tmp_path / "d.json").read_text())
+    assert found["verdict"] == "compute-bound", found["evidence"]
+    assert found["recommendations"] == [] and found["unmeasured"] == []
+    assert [o["key"] for o in found["measured"]] == ["yours"]  # the ceiling, nothing else
+    assert "COMPUTE-BOUND" in run.stdout and "Nothing to change" in run.stdout
+    assert "×  from fastfeed" not in run.stdout
+
+
+@pytest.mark.parametrize("let_finish", [True, False], ids=["let-finish", "stopped"])
+def test_batches_are_unchanged_and_no_worker_outlives_the_doctor(tmp_path, let_finish):
+    plain = tmp_path / "plain.txt"
+    subprocess.run([sys.executable, str(SCRIPTS / "record_batches.py"), "--out", str(plain)],
+                   check=True, timeout=60)
+    watched = tmp_path / "watched.txt"
+    run = doctor("--warmup", "1", "--batches", "3", *QUICK,
+                 *(["--let-finish"] if let_finish else []),
+                 str(SCRIPTS / "record_batches.py"), "--out", str(watched))
+    assert run.returncode == 0, run.stderr
+    expected, seen = plain.read_text().splitlines(), watched.read_text().splitlines()
+    assert len(expected) == 24
+    # Stopped, the script saw the warm-up batch and three steps; the request for the fifth
+    # batch was refused.
+    assert seen == (expected if let_finish else expected[:4])
+    pids = [int(p) for p in Path(f"{watched}.pids").read_text().split()]
+    assert pids and not any(alive(pid) for pid in pids)
+    assert "processes running" not in run.stdout  # the script stopped its own workers
+
+
+@pytest.mark.parametrize(("args", "code", "message"), [
+    (["--mode", "fail"], 1,
+     "it failed before the window closed: ValueError: the data directory is empty (its "
+     "traceback is above)"),
+    (["--mode", "exit"], 1, "it failed before the window closed: exit status 3"),
+    (["--mode", "no-loader"], 2, "it never iterated a DataLoader"),
+    (["--fail-after", "2"], 1, "RuntimeError: diverged after 2 batches"),
+    (["--epochs", "1"], 2, "it ended after 12 batches, before the window of 5 warm-up batches"
+                           " and 50 steps closed (try --batches 6)"),
+], ids=["fails", "exits", "no-loader", "fails-in-window", "ends-early"])
+def test_bad_input_is_one_line_after_the_scripts_own_error(capfd, tmp_path, args, code,
+                                                          message):
+    script = str(SCRIPTS / "record_batches.py")
+    returned, out, err = doctor_here(capfd, script, "--out", str(tmp_path / "o"), *args)
+    assert returned == code
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"fastfeed doctor: {script}: ") and message in last, err
+    assert out.count("fastfeed doctor:") == 0  # no report
+    if "traceback" in message:
+        # The script's own traceback, as Python prints it, from the script's frame down.
+        traceback = err.split("Traceback (most recent call last):\n", 1)[1]
+        assert traceback.startswith(f'  File "{script}", line')
+        assert "ValueError: the data directory is empty\n" in traceback
+        assert "runpy" not in traceback and "fastfeed" not in traceback.split("\n")[0]
+
+
+def test_a_missing_script_is_one_line(capfd):
+    code, _, err = doctor_here(capfd, "no/such/train.py")
+    assert code == 2
+    assert err.strip() == "fastfeed doctor: error: no/such/train.py: no such file"
