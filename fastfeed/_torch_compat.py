@@ -24,6 +24,7 @@ __all__ = [
     "default_convert",
     "is_datapipe",
     "is_iterable_dataset",
+    "name_worker_process",
     "numpy_seed",
     "pin_memory",
     "set_worker_info",
@@ -88,3 +89,11 @@ def pin_memory(data: Any, device: str | None = None) -> Any:
     from torch.utils.data._utils.pin_memory import pin_memory as _pin
 
     return _pin(data, device)
+
+
+def name_worker_process() -> None:
+    """Name the worker as torch names its own (``pt_data_worker``), which ``ps``, ``top`` and
+    ``py-spy`` show."""
+    set_name = getattr(torch.multiprocessing, "_set_thread_name", None)
+    if set_name is not None:
+        set_name("pt_data_worker")

@@ -26,8 +26,8 @@ from fastfeed.ring.slots import Lease
 __all__ = ["decode", "encode"]
 
 
-# A storage up to this many times larger than the tensor viewing it is copied whole (views
-# that share it keep sharing it); a larger one, only the tensor's bytes.
+# A storage up to this many times larger than the bytes a batch views of it is copied whole
+# (views that share it keep sharing it); a larger one, only the parts the batch views.
 _WHOLE_STORAGE_LIMIT = 4
 
 
@@ -42,57 +42,88 @@ def _extent(tensor: torch.Tensor) -> tuple[int, int]:
     return first, span * itemsize
 
 
+def _merged(extents: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``(start, length)`` spans covering ``extents``, overlapping or touching ones as one."""
+    spans: list[list[int]] = []
+    for first, length in sorted(extents):
+        if spans and first <= spans[-1][1]:
+            spans[-1][1] = max(spans[-1][1], first + length)
+        else:
+            spans.append([first, first + length])
+    return [(start, end - start) for start, end in spans]
+
+
 class _SlotPickler(ForkingPickler):
+    """Pickles a batch with its arrays replaced by descriptors of slot regions.
+
+    Tensors the collate step stacked into the slot are described at once. Other tensors are
+    *placed* after the whole batch is seen (:meth:`place_tensors`): only then is it known
+    which parts of each storage the batch views, so that views of one storage stay views of
+    one region (``(x, x[0])``: ``x[0]`` is a view of ``x``), whatever their order.
+    """
+
     def __init__(self, file: io.BytesIO, arena: Arena) -> None:
         # The default protocol, as multiprocessing's queues use: what is pickled by value
         # comes back as it does from torch's loader (numpy makes non-native byte orders
         # native below protocol 5).
         super().__init__(file)
         self._arena = arena
-        self._storage_offsets: dict[tuple[int, int, int, int], int | None] = {}
         # id -> (object, its descriptor): pickle's memo comes after persistent_id, so an object
         # met twice is remembered here, and rebuilt once (as the same object, as pickle does).
         self._seen: dict[int, tuple[Any, tuple]] = {}
+        # (storage address, storage bytes) -> [(serial, tensor)]: the tensors to place.
+        # Two storages may start at one address with other sizes.
+        self._to_place: dict[tuple[int, int], list[tuple[int, torch.Tensor]]] = {}
 
     def persistent_id(self, obj: Any) -> Any:
         seen = self._seen.get(id(obj))
         if seen is not None:
             return seen[1]
+        serial = len(self._seen)  # the object's identity in this batch
         if bytes_are_values(obj):
-            pid = self._tensor_id(obj)
+            pid = self._tensor_id(obj, serial)
         elif type(obj) is np.ndarray and not obj.dtype.hasobject:
-            pid = self._array_id(obj)
+            pid = self._array_id(obj, serial)
         else:
             return None
         if pid is not None:
-            pid = (pid[0], len(self._seen), *pid[1:])  # a serial number: the object's identity
             self._seen[id(obj)] = (obj, pid)
         return pid
 
-    def _tensor_id(self, tensor: torch.Tensor) -> tuple | None:
-        """The tensor as a region of the slot (its storage there) and its view of that."""
+    def _tensor_id(self, tensor: torch.Tensor, serial: int) -> tuple | None:
+        if self._arena.owns(tensor):  # stacked into the slot by the collate step: no copy
+            first, length = _extent(tensor)
+            return ("tensor", serial, first, length, 0, tuple(tensor.shape),
+                    tuple(tensor.stride()), tensor.dtype)
         storage = tensor.untyped_storage()
-        first, length = _extent(tensor)
-        if self._arena.owns(tensor):
-            region, first = first, 0  # stacked into the slot by the collate step: no copy
-        elif storage.is_shared():
+        if storage.is_shared():
             return None  # already in shared memory (torch's collate did it): send its handle
-        else:
-            # The whole storage, copied once, so that views sharing it still share it after;
-            # of a storage far larger than the tensor (a row of a dataset's big tensor), only
-            # the tensor's own bytes. Two storages may start at one address with other sizes.
-            start = first
-            if storage.nbytes() <= _WHOLE_STORAGE_LIMIT * max(length, 1):
-                start, length = 0, storage.nbytes()
-            key = (storage.data_ptr(), storage.nbytes(), start, length)
-            if key not in self._storage_offsets:
-                self._storage_offsets[key] = self._copy_bytes(storage, start, length)
-            offset = self._storage_offsets[key]
-            if offset is None:
-                return None
-            region, first = offset, first - start
-        return ("tensor", region, length, first // tensor.element_size(), tuple(tensor.shape),
-                tuple(tensor.stride()), tensor.dtype)
+        key = (storage.data_ptr(), storage.nbytes())
+        self._to_place.setdefault(key, []).append((serial, tensor))
+        return ("placed", serial)
+
+    def place_tensors(self) -> dict[int, tuple]:
+        """Copy the tensors met outside the slot into it: per storage, the whole storage when
+        the batch views a good part of it, else each span the batch views (a row of a dataset's
+        big tensor is copied alone). Returns each one's descriptor by serial, or
+        ``("object", tensor)`` for one that did not fit (pickled by torch's reductions)."""
+        placed: dict[int, tuple] = {}
+        for tensors in self._to_place.values():
+            storage = tensors[0][1].untyped_storage()
+            extents = {serial: _extent(tensor) for serial, tensor in tensors}
+            spans = _merged(list(extents.values()))
+            if storage.nbytes() <= _WHOLE_STORAGE_LIMIT * max(sum(n for _, n in spans), 1):
+                spans = [(0, storage.nbytes())]
+            for start, length in spans:
+                region = self._copy_bytes(storage, start, length)
+                for serial, tensor in tensors:
+                    first, nbytes = extents[serial]
+                    if not start <= first <= first + nbytes <= start + length:
+                        continue
+                    placed[serial] = ("object", tensor) if region is None else (
+                        "tensor", serial, region, length, (first - start) // tensor.element_size(),
+                        tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
+        return placed
 
     def _copy_bytes(self, storage: torch.UntypedStorage, start: int, length: int) -> int | None:
         offset = self._arena.allocate(length)
@@ -102,7 +133,7 @@ class _SlotPickler(ForkingPickler):
             self._arena.buffer[offset : offset + length].copy_(source)
         return offset
 
-    def _array_id(self, array: np.ndarray) -> tuple | None:
+    def _array_id(self, array: np.ndarray, serial: int) -> tuple | None:
         if not array.dtype.isnative:
             return None  # numpy's own pickling makes it native: keep exactly what it gives
         offset = self._arena.allocate(array.nbytes)
@@ -115,7 +146,7 @@ class _SlotPickler(ForkingPickler):
         order: Literal["C", "F"] = "F" if fortran else "C"
         np.copyto(np.ndarray(array.shape, array.dtype, buffer=dest, order=order), array)
         # The dtype itself: its string form loses a structured dtype's fields.
-        return ("array", offset, array.shape, array.dtype, order)
+        return ("array", serial, offset, array.shape, array.dtype, order)
 
 
 class _MeasuringPickler(_SlotPickler):
@@ -133,7 +164,9 @@ class _MeasuringPickler(_SlotPickler):
 
 def _slot_bytes_needed(batch: Any) -> int:
     arena = Arena()
-    _MeasuringPickler(io.BytesIO(), arena).dump(batch)
+    pickler = _MeasuringPickler(io.BytesIO(), arena)
+    pickler.dump(batch)
+    pickler.place_tensors()
     return arena.required
 
 
@@ -148,14 +181,19 @@ def encode(batch: Any, arena: Arena) -> Encoded:
         if needed:
             arena = Arena.private(needed)
     file = io.BytesIO()
-    _SlotPickler(file, arena).dump(batch)
-    return Encoded(arena.slot_id, file.getvalue(), arena.required, arena.export_private_slot())
+    pickler = _SlotPickler(file, arena)
+    pickler.dump(batch)
+    placed = pickler.place_tensors()
+    return Encoded(arena.slot_id, file.getvalue(), arena.required, arena.export_private_slot(),
+                   bytes(ForkingPickler.dumps(placed)) if placed else b"")
 
 
 class _SlotUnpickler(pickle.Unpickler):
-    def __init__(self, file: io.BytesIO, lease: np.ndarray | None) -> None:
+    def __init__(self, file: io.BytesIO, lease: np.ndarray | None,
+                 placed: dict[int, tuple]) -> None:
         super().__init__(file)
         self._lease = lease
+        self._placed = placed
         self._storages: dict[tuple[int, int], torch.Tensor] = {}
         self._rebuilt: dict[int, Any] = {}  # serial -> object
 
@@ -183,6 +221,10 @@ class _SlotUnpickler(pickle.Unpickler):
         return raw[: length - length % dtype.itemsize].view(dtype)
 
     def _rebuild(self, pid: tuple) -> Any:
+        if pid[0] == "placed":
+            pid = self._placed[pid[1]]
+            if pid[0] == "object":
+                return pid[1]
         kind = pid[0]
         if kind == "tensor":
             _, _, region, length, element_offset, shape, stride, dtype = pid
@@ -206,4 +248,5 @@ def decode(message: Encoded, lease: Lease | None) -> Any:
     """Main side: rebuild the batch; its arrays are views of the lease's memory (see
     :meth:`fastfeed.ring.SlotRing.lease`), which they keep alive."""
     memory = None if lease is None else lease.memory
-    return _SlotUnpickler(io.BytesIO(message.payload), memory).load()
+    placed = pickle.loads(message.placed) if message.placed else {}
+    return _SlotUnpickler(io.BytesIO(message.payload), memory, placed).load()

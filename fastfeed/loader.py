@@ -142,8 +142,8 @@ class FastLoader(DataLoader):
         self.autotune = num_workers == "auto"
         if self.autotune:
             num_workers, self._max_workers = initial_workers()
-        elif isinstance(num_workers, str):
-            raise ValueError(
+        elif isinstance(num_workers, str):  # a TypeError, as torch's comparison with 0 raises
+            raise TypeError(
                 f"num_workers should be a non-negative int or 'auto', got {num_workers!r}")
         if worker_mode not in ("process", "thread", "auto"):
             raise ValueError(

@@ -117,13 +117,15 @@ class SlotDropped:
 @dataclass(frozen=True)
 class Encoded:
     """A batch as it crosses from a worker process: its slot, the pickled structure, the bytes
-    it needed, and, for a task sent without a slot, a handle on the slot of the worker's own
-    that holds it (redeemed once with ``.detach()``)."""
+    it needed, for a task sent without a slot a handle on the slot of the worker's own that
+    holds it (redeemed once with ``.detach()``), and where the tensors the collate step did not
+    write into the slot were placed (see :mod:`fastfeed.codec`)."""
 
     slot_id: int | None
     payload: bytes
     required: int
     private_slot: Any = None
+    placed: bytes = b""
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,9 @@ class LoaderStats:
 
     Attributes:
         batches, samples: delivered to the consumer.
-        elapsed_s: wall time from the first request for a batch to the latest delivery.
+        elapsed_s: wall time from the first request for a batch to the latest delivery: the
+            workers' start-up before the first request and the consumer's step after the last
+            batch are outside it, so a stopwatch around a short epoch reads a lower rate.
         wait_fraction: share of ``elapsed_s`` the consumer spent waiting in ``__next__``
             (the data stall), in [0, 1].
         stage_ms: mean milliseconds per batch of each stage: ``fetch`` (dataset reads) and
@@ -44,7 +46,8 @@ class LoaderStats:
             ``gpu_transform`` (the host side of launching it).
         workers: current worker count; ``worker_mode``: ``"process"`` or ``"thread"``.
         worker_utilization: share of the workers' wall time spent fetching and collating.
-        ring_slots_used, ring_slots, ring_mb: ring occupancy now.
+        ring_slots_used, ring_slots, ring_mb: ring occupancy now (the ring grows as tasks need
+            slots, up to its budget: ``ring_slots`` may be below the loader's ``ring_slots``).
         skipped_samples: samples dropped by an ``on_error="skip"`` policy.
         gpu: NVML readings of this loader's GPU averaged over the run; empty when unavailable.
         gpu_status: why ``gpu`` is empty, or ``"ok"``.
@@ -92,8 +95,9 @@ class LoaderStats:
     def __str__(self) -> str:
         stages = "  ".join(f"{name} {ms:.2f}" for name, ms in self.stage_ms.items())
         lines = [
-            f"batches {self.batches}, samples {self.samples} in {self.elapsed_s:.2f} s: "
-            f"{self.samples_per_s:,.1f} samples/s, {self.batches_per_s:.2f} batches/s",
+            f"batches {self.batches}, samples {self.samples} in {self.elapsed_s:.2f} s "
+            f"(first request to last batch): {self.samples_per_s:,.1f} samples/s, "
+            f"{self.batches_per_s:.2f} batches/s",
             f"data stall: {100 * self.wait_fraction:.1f}% of wall time waiting in __next__",
             f"per batch (ms): {stages}",
             f"workers: {self.workers} ({self.worker_mode}), "

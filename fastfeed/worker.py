@@ -23,7 +23,12 @@ from torch.utils.data import get_worker_info
 
 from fastfeed._copy import set_copy_threads
 from fastfeed._proc import available_cpus
-from fastfeed._torch_compat import numpy_seed, set_worker_info, thread_worker_info
+from fastfeed._torch_compat import (
+    name_worker_process,
+    numpy_seed,
+    set_worker_info,
+    thread_worker_info,
+)
 from fastfeed.produce import Producer
 from fastfeed.protocol import (
     Answer,
@@ -60,6 +65,7 @@ def _setup(config: WorkerConfig) -> None:
         _thread_local.info = thread_worker_info(config.worker_id, config.num_workers, seed,
                                                 config.dataset)
         return
+    name_worker_process()
     torch.set_num_threads(1)
     set_copy_threads(max(1, available_cpus() // config.num_workers))
     random.seed(seed)

@@ -137,3 +137,58 @@ def test_len_and_iterator_len():
     iterator = iter(loader)
     assert len(loader) == len(iterator) == 8
     del iterator
+
+
+def _first_batch_or_error(cls, kwargs, after):
+    """(phase, error type, message) of building ``cls`` with ``kwargs``, ``after(loader)``,
+    then taking a batch; ``(None, None, "")`` when it works."""
+    try:
+        loader = cls(TensorDataset(), **kwargs)
+    except Exception as error:
+        return "build", type(error), str(error)
+    after(loader)
+    try:
+        next(iter(loader))
+    except Exception as error:
+        return "iterate", type(error), str(error)
+    return None, None, ""
+
+
+def _set_workers(loader):
+    loader.num_workers = 2
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # torch's __del__
+@pytest.mark.parametrize(("kwargs", "after", "same_message"), [
+    ({"num_workers": "2"}, lambda loader: None, False),
+    ({"num_workers": 2.0}, lambda loader: None, True),
+    ({"num_workers": 2, "prefetch_factor": 0}, lambda loader: None, True),
+    ({}, _set_workers, False),
+], ids=["str", "float", "prefetch-0", "num_workers-set-later"])
+def test_misuse_raises_torchs_error_at_the_same_step(kwargs, after, same_message):
+    # torch's messages where they name the problem; clearer ones where they are incidental
+    # ("'<' not supported between instances of 'str' and 'int'").
+    phase, kind, message = _first_batch_or_error(DataLoader, kwargs, after)
+    got_phase, got_kind, got_message = _first_batch_or_error(FastLoader, kwargs, after)
+    assert (got_phase, got_kind) == (phase, kind) and kind is not None
+    assert got_message == message if same_message else "num_workers" in got_message
+
+
+def test_an_unpicklable_worker_init_fn_warns_as_torch_does():
+    def run(cls):
+        loader = cls(TensorDataset(), num_workers=1, multiprocessing_context="spawn",
+                     worker_init_fn=lambda worker_id: None)
+        with pytest.warns(UserWarning, match="Got pickle error") as record, \
+                pytest.raises(Exception) as error:
+            next(iter(loader))
+        return type(error.value), len(record)
+
+    assert run(FastLoader) == run(DataLoader)
+
+
+def test_worker_processes_are_named_as_torchs():
+    loader = FastLoader(TensorDataset(), num_workers=1, persistent_workers=True)
+    next(iter(loader))
+    worker = loader._live_iterator()._workers[0]
+    with open(f"/proc/{worker.handle.pid}/comm") as comm:
+        assert comm.read().strip() == "pt_data_worker"

@@ -56,7 +56,6 @@ def test_worker_info_in_threads():
 
 @pytest.mark.parametrize(("kwargs", "match"), [
     ({"worker_mode": "fibers"}, "worker_mode"),
-    ({"num_workers": "many"}, "'auto'"),
     ({"num_workers": 2, "worker_mode": "thread", "deterministic": True}, "threads share"),
     ({"log_every": 0}, "log_every"),
 ])

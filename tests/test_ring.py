@@ -365,3 +365,28 @@ def test_mutating_a_batch_does_not_affect_the_next():
         return out
 
     assert_same(run(DataLoader), run(FastLoader))
+
+
+def batch_and_first_row(samples):
+    x = torch.stack([s[0] for s in samples])
+    return x, x[0]
+
+
+def first_row_and_batch(samples):
+    x = torch.stack([s[0] for s in samples])
+    return x[0], x
+
+
+@pytest.mark.parametrize("collate_fn", [batch_and_first_row, first_row_and_batch])
+def test_a_view_of_a_leaf_stays_a_view_of_it(collate_fn):
+    # A row is an eighth of the batch: copied alone, it would no longer see the batch change.
+    def run(cls):
+        rows = []
+        loader = cls(TensorDataset(n=32), batch_size=8, num_workers=2, collate_fn=collate_fn)
+        for batch in loader:
+            x, row = batch if collate_fn is batch_and_first_row else batch[::-1]
+            x.add_(1)
+            rows.append(row.clone())
+        return rows
+
+    assert_same(run(FastLoader), run(DataLoader))

@@ -144,3 +144,22 @@ def test_stopped_workers_hear_of_no_more_slots():
     table.stop(0)
     assert [w.handle.worker_id for w in table.mapping_slots()] == [1]
     assert table.resumable() == [1]
+
+
+def test_dispatch_goes_round_robin_over_active_workers():
+    _, table = table_of(3)
+    table.exhaust(1, at=0)
+    picks = [table.pick(None) for _ in range(4)]
+    assert picks == [0, 2, 0, 2]  # the exhausted replica gets nothing, order kept
+
+
+def test_out_of_order_dispatch_gives_a_worker_only_its_share():
+    book, table = table_of(2)
+    for _ in range(2):  # worker 0 owes its share of 4 tasks in flight
+        book.send(0, None)
+    assert [table.pick(4) for _ in range(2)] == [1, 1]
+    book.send(1, None)
+    book.send(1, None)
+    assert table.pick(4) is None  # everyone owes their share: wait for an answer
+    book.answer(0)
+    assert table.pick(4) == 0

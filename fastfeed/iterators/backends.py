@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import ctypes
 import os
+import pickle
 import queue
 import signal
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.reduction import send_handle
@@ -32,6 +34,13 @@ __all__ = ["ProcessBackend", "ThreadBackend", "WorkerHandle"]
 # (a worker may be busy in a long __getitem__ whose result nobody wants).
 SHUTDOWN_GRACE = 2.0
 ABANDONED_GRACE = 0.5
+
+_PICKLE_ERROR = (
+    "Got pickle error when attempting to start a worker Process. This might be because the "
+    "worker Process arguments are not picklable (with the 'spawn' and 'forkserver' start "
+    "methods, the dataset, collate_fn and worker_init_fn must be). You can also try "
+    "multiprocessing.set_start_method('fork')."
+)
 
 
 @dataclass
@@ -99,7 +108,11 @@ class ProcessBackend:
             daemon=True,
         )
         handle = WorkerHandle(config.worker_id, process, task_queue, control)
-        process.start()
+        try:
+            process.start()
+        except (TypeError, AttributeError, pickle.PicklingError):
+            warnings.warn(_PICKLE_ERROR, stacklevel=2)  # torch's warning, for spawn/forkserver
+            raise
         if ring is not None:
             assert control is not None and worker_control is not None
             worker_control.close()

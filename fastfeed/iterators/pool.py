@@ -12,6 +12,7 @@ tensors that are views of that slot (see :mod:`fastfeed.protocol`). The task boo
 
 from __future__ import annotations
 
+import operator
 import time
 from typing import Any
 
@@ -25,7 +26,6 @@ from fastfeed.iterators.base import BaseIterator, HostBatch
 from fastfeed.iterators.crew import WorkerCrew
 from fastfeed.iterators.setup import IteratorSetup
 from fastfeed.iterators.tasks import Entry, TaskBook
-from fastfeed.iterators.workers import WorkerState
 from fastfeed.protocol import Answer, Encoded, Failed, Produced, ReplicaEnded, Task
 from fastfeed.ring import Lease, Ticket, slot_budget
 
@@ -51,8 +51,15 @@ class WorkerPoolIterator(BaseIterator):
     """Iterates a FastLoader with worker processes or threads."""
 
     def __init__(self, loader: DataLoader, setup: IteratorSetup) -> None:
+        operator.index(loader.num_workers)  # torch's TypeError for num_workers=2.0
         super().__init__(loader, setup)
-        assert loader.prefetch_factor is not None and loader.prefetch_factor > 0
+        if loader.prefetch_factor is None:
+            raise TypeError("prefetch_factor is None with num_workers > 0: num_workers was set "
+                            "after the loader was built without workers; build it with its "
+                            "num_workers, or set prefetch_factor too")
+        if loader.prefetch_factor <= 0:  # torch's own check and message
+            raise AssertionError(
+                "prefetch_factor must be greater than 0 for MultiProcessingDataLoaderIter")
         self._prefetch_factor = loader.prefetch_factor
         self._in_order = loader.in_order
         self._epoch = 0
@@ -100,10 +107,10 @@ class WorkerPoolIterator(BaseIterator):
                                    self._receive)  # batches not delivered die with their leases
         self._epoch_clock = time.perf_counter()
         self._book.start_epoch()
-        self._next_worker = 0  # round-robin position
+        self._workers.next_worker = 0  # round-robin position
         if resume is not None and resume.dataset_states is not None:
             # Continue the round robin where the snapshot left it.
-            self._next_worker = resume.next_worker
+            self._workers.next_worker = resume.next_worker
             for worker_id, done in enumerate(resume.workers_done or []):
                 if done:
                     self._workers.exhaust(worker_id, at=-1)
@@ -121,19 +128,6 @@ class WorkerPoolIterator(BaseIterator):
         for _ in range(self._max_tasks):
             self._send_next()
 
-    def _pick_worker(self) -> int | None:
-        """The next active worker in round-robin order with room for a task, if any."""
-        count = len(self._workers)
-        active = self._workers.active_count()
-        for _ in range(count):
-            worker_id = self._next_worker % count
-            self._next_worker = worker_id + 1
-            if self._workers[worker_id].state is not WorkerState.ACTIVE:
-                continue
-            if self._in_order or self._book.outstanding(worker_id) < self._max_tasks // active:
-                return worker_id
-        return None
-
     def _send_next(self) -> None:
         if self._book.outstanding() >= self._max_tasks:
             return
@@ -141,7 +135,9 @@ class WorkerPoolIterator(BaseIterator):
             index = self._next_index()
         except StopIteration:
             return
-        worker_id = self._pick_worker()
+        # In order, torch gives the next worker its task whatever it owes; out of order, only
+        # a worker with room (its share of the tasks in flight).
+        worker_id = self._workers.pick(None if self._in_order else self._max_tasks)
         if worker_id is None:
             return
         ticket = None

@@ -48,6 +48,21 @@ class WorkerTable:
     def __init__(self, book: TaskBook) -> None:
         self._workers: list[_Worker] = []
         self._book = book
+        self.next_worker = 0  # where the round robin of dispatch goes on
+
+    def pick(self, max_tasks: int | None) -> int | None:
+        """The next ACTIVE worker in round-robin order, if any; with ``max_tasks``, only one
+        that owes fewer than its share of them (torch's rule for ``in_order=False``)."""
+        count = len(self._workers)
+        active = self.active_count()
+        for _ in range(count):
+            worker_id = self.next_worker % count
+            self.next_worker = worker_id + 1
+            if self._workers[worker_id].state is not WorkerState.ACTIVE:
+                continue
+            if max_tasks is None or self._book.outstanding(worker_id) < max_tasks // active:
+                return worker_id
+        return None
 
     def add(self, handle: WorkerHandle) -> None:
         assert handle.worker_id == len(self._workers)
