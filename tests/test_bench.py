@@ -112,8 +112,9 @@ def test_chart_title_fits_with_two_configurations(with_stall):
 
     from fastfeed.bench.report import chart
 
-    results = [{"config": c, "workers": "2", "samples_per_s": 900.0, "stall_pct": 40.0,
-                "first_batch_s": 0.5, "peak_rss_mb": 300.0} for c in ("stock", "fastfeed")]
+    results = [{"config": c, "workers": "2", "changes": change, "samples_per_s": 900.0,
+                "stall_pct": 40.0, "first_batch_s": 0.5, "peak_rss_mb": 300.0}
+               for c, change in (("stock", "baseline"), ("fastfeed", "loader"))]
     title = ("classify folder /data/imagenet-like-1000 (1000 images, 50 classes): batch 64, "
              "step 0 ms, medians of 3")
     fig = chart(results, title, with_stall)
@@ -123,3 +124,25 @@ def test_chart_title_fits_with_two_configurations(with_stall):
     assert box.x0 >= 0 and box.x1 <= fig.bbox.x1 and box.y1 <= fig.bbox.y1
     assert " ".join(suptitle.get_text().split()) == title  # wrapped, not shortened
     plt.close(fig)
+
+
+def test_every_row_says_what_it_changes():
+    """A dataset swap's speed-up is never shown as the loader's (issue 35): on image folders
+    the ``fastfeed`` row changes dataset and transforms too, and the table says so."""
+    from fastfeed.bench.data import TORCHVISION_CONFIGS, changes, changes_note
+    from fastfeed.bench.report import rows
+
+    assert changes("stock", "classify") == changes("torchvision", "classify") == "baseline"
+    assert changes("fastfeed", "tensors") == changes("torchvision+swap", "classify") == "loader"
+    assert changes("fastfeed", "classify") == "loader, dataset, transforms"
+    assert changes("torchvision+accelerate", "classify") == "loader, dataset"
+    assert all(changes(c, "classify") for c in ("fastfeed+device", "dali", *TORCHVISION_CONFIGS))
+    folder = [{"config": c, "workers": "2", "changes": changes(c, "classify"),
+               "samples_per_s": rate, "stall_pct": 0.0, "first_batch_s": 0.1,
+               "peak_rss_mb": 100.0} for c, rate in (("stock", 100.0), ("fastfeed", 250.0))]
+    assert [row[:2] for row in rows(folder)] == [["stock", "baseline"],
+                                                 ["fastfeed", "loader, dataset, transforms"]]
+    note = changes_note(folder)
+    assert note is not None and "not the loader's alone" in note and "fastfeed: " in note
+    tensors = [dict(r, changes=changes(r["config"], "tensors")) for r in folder]
+    assert changes_note(tensors) is None

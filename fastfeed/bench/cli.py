@@ -8,10 +8,16 @@ since a loop that only waits for data stalls near 100 % whatever the loader. Wri
 ``bench.json`` and, with matplotlib (``pip install 'fastfeed[plot]'``),
 ``bench.png`` to ``--out``.
 
+Every configuration says what it changes against its baseline (the ``changes`` column):
+``loader`` alone, or the dataset and transforms too, so that a dataset swap's speed-up is never
+read as the loader's.
+
 Configurations: ``stock`` (torch's DataLoader; for image folders, over a plain Pillow dataset),
-``fastfeed`` (FastLoader with the same arguments; for image folders, the ``cpu`` image
-backend) and ``fastfeed+device`` (with ``--device``: device prefetch and a GPU-side
-Normalize). With torchvision installed, image folders also run the user's view:
+``fastfeed`` (FastLoader with the same arguments; for image folders, fastfeed's own
+window-decoding dataset and transforms: loader, dataset and transforms change) and
+``fastfeed+device`` (with ``--device``: device prefetch and a GPU-side Normalize). With
+torchvision installed, image folders also run the user's view, where only what the row names
+changes:
 ``torchvision`` (torch's DataLoader over torchvision's ``ImageFolder`` with the classic
 RandomResizedCrop/flip/ToTensor/Normalize transforms), ``torchvision+swap`` (FastLoader, same
 arguments) and ``torchvision+accelerate`` (FastLoader over :func:`fastfeed.vision.accelerate`
@@ -31,7 +37,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fastfeed.bench.data import TORCHVISION_CONFIGS, BenchError, resolve, torchvision_available
+from fastfeed.bench.data import (
+    TORCHVISION_CONFIGS,
+    BenchError,
+    changes,
+    changes_note,
+    resolve,
+    torchvision_available,
+)
 from fastfeed.bench.peers import PEERS
 from fastfeed.bench.report import write_chart, write_json, write_table
 from fastfeed.bench.run import Job, run_in_child
@@ -104,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
             return 1
 
     results: list[dict[str, Any]] = [
-        {"config": config, "workers": count,
+        {"config": config, "workers": count, "changes": changes(config, source.kind),
          **{key: statistics.median(m[key] for m in runs) for key in runs[0]}}
         for (config, count), runs in samples.items()]
     step = f"model {args.model}" if args.model else f"step {args.step_ms:g} ms"
@@ -112,6 +125,9 @@ def run(args: argparse.Namespace) -> int:
              f"{args.repeats}")
     with_stall = bool(args.model or args.step_ms)
     write_table(results, title, with_stall)
+    note = changes_note(results)
+    if note is not None:
+        print(note)
     if not with_stall:
         print("data stall: not shown without a training step; add --step-ms or --model")
     write_json(results, {"args": {k: str(v) for k, v in vars(args).items()}, "title": title},

@@ -23,8 +23,8 @@ from fastfeed.vision.augment import letterbox_geometry, random_flip, random_resi
 from fastfeed.vision.folder import IMG_EXTENSIONS
 
 __all__ = [
-    "TORCHVISION_CONFIGS", "BenchError", "Source", "baseline", "classic_imagefolder", "resolve",
-    "torchvision_available",
+    "TORCHVISION_CONFIGS", "BenchError", "Source", "baseline", "beyond_loader", "changes",
+    "changes_note", "classic_imagefolder", "resolve", "torchvision_available",
 ]
 
 CACHE = Path(os.environ.get("FASTFEED_CACHE", Path.home() / ".cache" / "fastfeed"))
@@ -122,6 +122,49 @@ def baseline(config: str) -> str:
     """The stock configuration a configuration's speedup is measured against: ``dali`` runs
     NVIDIA's recipe, whose float output is torchvision's classic transforms'."""
     return "torchvision" if config.startswith("torchvision") or config == "dali" else "stock"
+
+
+# What each configuration changes against its baseline, per kind of source (``"tensors"``,
+# ``"classify"``, ``"detect"``), and how it does. A row that changes the dataset or the
+# transforms too measures more than the loader: its speed-up is not the loader's alone.
+_CHANGES: dict[str, dict[str, str]] = {
+    "fastfeed": {"tensors": "loader", "classify": "loader, dataset, transforms",
+                 "detect": "loader, dataset, transforms"},
+    "fastfeed+device": {"tensors": "loader, GPU normalize",
+                        "classify": "loader, dataset, transforms",
+                        "detect": "loader, dataset, transforms"},
+    "torchvision+swap": dict.fromkeys(("classify",), "loader"),
+    "torchvision+accelerate": dict.fromkeys(("classify",), "loader, dataset"),
+    "dali": dict.fromkeys(("classify",), "loader, dataset, transforms"),
+}
+_HOW = {
+    "fastfeed": "fastfeed's window-decoding dataset and its own crop and flip, against a "
+                "whole-image Pillow dataset",
+    "torchvision+accelerate": "accelerate() of the same ImageFolder: the same transforms' "
+                              "draws over a window decode",
+    "dali": "NVIDIA's ResNet-50 recipe",
+}
+
+
+def changes(config: str, kind: str) -> str:
+    """What ``config`` changes against its :func:`baseline` on a source of ``kind``."""
+    return "baseline" if config == baseline(config) else _CHANGES[config][kind]
+
+
+def beyond_loader(change: str) -> bool:
+    """Whether a row that :func:`changes` describes so measures more than the loader."""
+    return change not in ("baseline", "loader")
+
+
+def changes_note(results: list[dict[str, Any]]) -> str | None:
+    """One line under the table for the rows that change more than the loader, or ``None``."""
+    beyond = [r["config"] for r in results if beyond_loader(r["changes"])]
+    if not beyond:
+        return None
+    how = [f"{config}: {_HOW[config]}" for config in dict.fromkeys(beyond) if config in _HOW]
+    return ("changes: rows that change the dataset or transforms as well as the loader "
+            "measure more than the loader; their speed-up is not the loader's alone"
+            + (f" ({'; '.join(how)})" if how else ""))
 
 
 @dataclass

@@ -7,12 +7,16 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-from fastfeed.bench.data import baseline
+from fastfeed.bench.data import baseline, beyond_loader
 
 __all__ = ["chart", "write_chart", "write_json", "write_table"]
 
-COLUMNS = ["config", "workers", "samples/s", "vs stock", "stall %", "first batch s",
+COLUMNS = ["config", "changes", "workers", "samples/s", "vs stock", "stall %", "first batch s",
            "peak RSS MB"]
+
+
+def _columns(with_stall: bool) -> list[str]:
+    return COLUMNS if with_stall else [c for c in COLUMNS if c != "stall %"]
 
 
 def rows(results: list[dict[str, Any]], with_stall: bool = True) -> list[list[str]]:
@@ -23,10 +27,12 @@ def rows(results: list[dict[str, Any]], with_stall: bool = True) -> list[list[st
         family = baseline(r["config"])
         base = stock.get((family, r["workers"])) or next(
             (v for (c, _), v in stock.items() if c == family), None)
-        ratio = f"{r['samples_per_s'] / base:.2f}×" if base else "n/a"
-        row = [r["config"], str(r["workers"]), f"{r['samples_per_s']:,.0f}", ratio,
-               f"{r['stall_pct']:.1f}", f"{r['first_batch_s']:.2f}", f"{r['peak_rss_mb']:,.0f}"]
-        out.append(row if with_stall else row[:4] + row[5:])
+        cells = {"config": r["config"], "changes": r["changes"], "workers": str(r["workers"]),
+                 "samples/s": f"{r['samples_per_s']:,.0f}",
+                 "vs stock": f"{r['samples_per_s'] / base:.2f}×" if base else "n/a",
+                 "stall %": f"{r['stall_pct']:.1f}", "first batch s": f"{r['first_batch_s']:.2f}",
+                 "peak RSS MB": f"{r['peak_rss_mb']:,.0f}"}
+        out.append([cells[c] for c in _columns(with_stall)])
     return out
 
 
@@ -37,7 +43,7 @@ def write_table(results: list[dict[str, Any]], title: str, with_stall: bool = Tr
     is near 100 % for every loader and says nothing: the column is left out.
     """
     body = rows(results, with_stall)
-    columns = COLUMNS if with_stall else [c for c in COLUMNS if c != "stall %"]
+    columns = _columns(with_stall)
     try:
         from rich.console import Console
         from rich.table import Table
@@ -49,7 +55,7 @@ def write_table(results: list[dict[str, Any]], title: str, with_stall: bool = Tr
         return
     table = Table(title=title)
     for column in columns:
-        table.add_column(column, justify="left" if column == "config" else "right")
+        table.add_column(column, justify="left" if column in ("config", "changes") else "right")
     for row in body:
         table.add_row(*row)
     Console().print(table)
@@ -64,7 +70,9 @@ def chart(results: list[dict[str, Any]], title: str, with_stall: bool = True) ->
     beside them when a training step ran (see :func:`write_table`)."""
     import matplotlib.pyplot as plt
 
-    labels = [f"{r['config']}\n{r['workers']} workers" for r in results]
+    labels = [f"{r['config']}\n{r['workers']} workers"
+              + ("\n(not the loader alone)" if beyond_loader(r["changes"]) else "")
+              for r in results]
     colors = ["#9e9e9e" if r["config"] == baseline(r["config"]) else "#1f77b4" for r in results]
     width = max(8.0, 1.6 * len(results)) * (1 if with_stall else 0.6)
     # Constrained layout keeps the suptitle inside the figure; the title is wrapped to the
