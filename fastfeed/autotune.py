@@ -147,8 +147,9 @@ class Window:
     batches_per_s: float
     wait_fraction: float  # consumer's share of wall time spent waiting for data
     idle_cores: float | None = None  # for the log only: None where unknown
-    # The workers' share of wall time spent neither running nor waiting for a core: blocked
-    # on storage, or idle (see WorkerSleepMeter). None where unknown.
+    # The workers' share of wall time spent blocked while working on a task (on storage,
+    # say): neither running, nor waiting for a core, nor idle for want of a task (see
+    # TuningWindows). None where unknown.
     worker_sleep: float | None = None
 
 
@@ -261,21 +262,30 @@ _MIN_BATCHES = 3
 class TuningWindows:
     """Cuts a pool's deliveries into :class:`Window` s and feeds each to the tuner.
 
+    A window's ``worker_sleep`` is the share of time the workers slept *while working on a
+    task*: what they slept in all (:class:`WorkerSleepMeter`) less what they spent with no
+    task to work on (from the wall time their tasks took). Workers idle for want of tasks (the
+    main process is what limits the pace) sleep too, but on storage they do not wait.
+
     Args:
         tuner: decides the worker count.
         worker_tasks: the kernel tasks of the workers that take tasks, read now so that the
             first window is measured too.
+        waited: the consumer's total wait so far, in seconds.
+        worker_busy: the workers' total time on tasks so far, in seconds.
     """
 
-    def __init__(self, tuner: WorkerTuner, worker_tasks: list[int], waited: float) -> None:
+    def __init__(self, tuner: WorkerTuner, worker_tasks: list[int], waited: float,
+                 worker_busy: float) -> None:
         self.tuner = tuner
         self._cpu = CpuMeter()
         self._sleep = WorkerSleepMeter(worker_tasks)
-        self._start, self._start_waited = time.perf_counter(), waited
+        self._start, self._start_waited, self._start_busy = time.perf_counter(), waited, worker_busy
         self._batches = 0
 
-    def delivered(self, waited: float, worker_tasks: list[int]) -> int | None:
-        """Count one delivered batch (``waited``: the consumer's total wait so far); when a
+    def delivered(self, waited: float, worker_tasks: list[int], worker_busy: float
+                  ) -> int | None:
+        """Count one delivered batch (``waited``, ``worker_busy``: the totals so far); when a
         window closes, return the worker count the tuner wants."""
         self._batches += 1
         now = time.perf_counter()
@@ -284,10 +294,14 @@ class TuningWindows:
         if self._batches < _WINDOW_BATCHES and not long_enough:
             return None
         window_waited = waited - self._start_waited
+        window_busy = worker_busy - self._start_busy
         batches, self._batches = self._batches, 0
-        self._start, self._start_waited = now, waited
+        self._start, self._start_waited, self._start_busy = now, waited, worker_busy
         if elapsed <= 0:
             return None
+        sleep = self._sleep.sleep_fraction(worker_tasks)
+        if sleep is not None and worker_tasks:
+            idle = max(0.0, 1 - window_busy / (elapsed * len(worker_tasks)))
+            sleep = max(0.0, sleep - idle)
         return self.tuner.observe(Window(batches / elapsed, min(1.0, window_waited / elapsed),
-                                         self._cpu.idle_cores(),
-                                         self._sleep.sleep_fraction(worker_tasks)))
+                                         self._cpu.idle_cores(), sleep))

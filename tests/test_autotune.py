@@ -15,7 +15,14 @@ from torch.utils.data import Dataset
 
 from fastfeed import FastLoader
 from fastfeed._proc import available_cpus
-from fastfeed.autotune import Window, WorkerSleepMeter, WorkerTuner, initial_workers, memory_cap
+from fastfeed.autotune import (
+    TuningWindows,
+    Window,
+    WorkerSleepMeter,
+    WorkerTuner,
+    initial_workers,
+    memory_cap,
+)
 
 
 def simulate(tuner, rate_of, wait_of, idle=1.0, windows=30, sleep=None):
@@ -111,7 +118,8 @@ def _child(code):
 
 @pytest.mark.skipif(not Path("/proc/self/schedstat").exists(), reason="needs Linux schedstat")
 def test_sleep_meter_tells_sleeping_workers_from_computing_ones():
-    sleeper = _child("import time\nwhile True: time.sleep(0.005)")
+    # Long sleeps: on a loaded machine each wake-up waits for a core, which counts as running.
+    sleeper = _child("import time\nwhile True: time.sleep(0.05)")
     spinner = _child("while True: pass")
     try:
         time.sleep(0.3)
@@ -248,3 +256,20 @@ def test_sleep_meter_skips_tasks_that_exited():
         for process in (child, other):
             process.kill()
             process.wait()
+
+
+def test_workers_idle_for_want_of_tasks_are_not_waiting_on_storage(monkeypatch):
+    # Two workers asleep half the time: half their time on tasks (blocked in them), or half
+    # without a task at all (the main process sets the pace). Only the first is storage.
+    def window(busy_share):
+        tuner = RecordingTuner(2, maximum=16, cores=2)
+        windows = TuningWindows(tuner, [], waited=0.0, worker_busy=0.0)
+        monkeypatch.setattr(windows._sleep, "sleep_fraction", lambda tasks: 0.5)
+        time.sleep(0.6)  # one window: its elapsed time is real
+        elapsed = time.perf_counter() - windows._start
+        for _ in range(3):
+            windows.delivered(0.0, [1, 2], worker_busy=busy_share * elapsed * 2)
+        return tuner.windows[0].worker_sleep
+
+    assert window(busy_share=1.0) == pytest.approx(0.5, abs=0.05)
+    assert window(busy_share=0.5) == pytest.approx(0.0, abs=0.05)

@@ -80,7 +80,8 @@ class WorkerPoolIterator(BaseIterator):
             raise
         self._size_ring()
         self._tuning = (None if setup.tuner is None else TuningWindows(
-            setup.tuner, self._workers.active_tasks(), self._telemetry.waited))
+            setup.tuner, self._workers.active_tasks(), self._telemetry.waited,
+            self._telemetry.worker_busy_s))
         self._reset(loader, first_iter=True)
 
     @property
@@ -243,7 +244,8 @@ class WorkerPoolIterator(BaseIterator):
     def _after_delivery(self) -> None:
         if self._tuning is None:
             return
-        wanted = self._tuning.delivered(self._telemetry.waited, self._workers.active_tasks())
+        wanted = self._tuning.delivered(self._telemetry.waited, self._workers.active_tasks(),
+                                        self._telemetry.worker_busy_s)
         if wanted is not None and wanted != self._workers.serving:
             self._telemetry.decision(self._tuning.tuner.log[-1])
             self._crew.resize(wanted, lambda worker_id, num_workers: self._worker_config(
