@@ -65,7 +65,7 @@ def main() -> None:
     load_after = os.getloadavg()[0]
     base, test = (statistics.median(rates[n]) for n in names)
     print(f"{' '.join(command)}: median of {args.rounds} alternated runs per tree")
-    print(f"| tree | median | range |\n|---|---|---|")
+    print("| tree | median | range |\n|---|---|---|")
     for name in names:
         print(f"| {name} ({trees[name]}) | {statistics.median(rates[name]):,.1f} | "
               f"{min(rates[name]):,.1f}–{max(rates[name]):,.1f} |")
