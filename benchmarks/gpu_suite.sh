@@ -10,6 +10,8 @@
 #   yolo      the batch pixel ops of fastfeed.ultralytics' augment_device on the GPU and, where
 #             Ultralytics and OpenCV are installed, its YOLO loader: stock, patched, augment_device
 #   yolo_train  where Ultralytics is installed: yolov8n training, images/s and data stall
+#   doctor    fastfeed doctor on a stock torchvision ResNet-50 script and, where Ultralytics is
+#             installed, a stock YOLO training run (tests/doctor_scripts/): report and JSON each
 # With no arguments it runs all of them (about 20 minutes on an H100); name stages to split the
 # work across device calls: bash benchmarks/gpu_suite.sh tests pinned
 # Logs and JSON go under $OUT when it is set (the device tool), else benchmarks/out/.
@@ -29,7 +31,7 @@ cd "$(dirname "$0")/.."
 out="${OUT:-benchmarks/out}"
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
-stages=("${@:-tests pinned dali nvjpeg overhead train images yolo yolo_train}")
+stages=("${@:-tests pinned dali nvjpeg overhead train images yolo yolo_train doctor}")
 stages=(${stages[*]})
 
 die() {  # die CODE MESSAGE: stop the suite with a reason
@@ -162,7 +164,20 @@ PY
             else
                 echo "== yolo_train: skipped: $ultralytics_missing"
             fi ;;
-        *) echo "unknown stage $stage (tests, pinned, dali, nvjpeg, overhead, train, images, yolo, yolo_train)"
+        doctor)
+            run doctor_resnet50 python3 -m fastfeed doctor --warmup 10 --batches 40 \
+                --json "$out/doctor_resnet50.json" --out "$out/doctor_resnet50" \
+                tests/doctor_scripts/train_classifier.py --arch resnet50 --device cuda \
+                --generate 4096 --batch-size 64 --workers 8 --epochs 1
+            if has_ultralytics; then
+                run doctor_yolo python3 -m fastfeed doctor --warmup 10 --batches 40 \
+                    --json "$out/doctor_yolo.json" --out "$out/doctor_yolo" \
+                    tests/doctor_scripts/train_yolo.py --device 0 --imgsz 640 --batch 32 \
+                    --workers 8 --images 1024 --epochs 2
+            else
+                echo "== doctor_yolo: skipped: $ultralytics_missing"
+            fi ;;
+        *) echo "unknown stage $stage (tests, pinned, dali, nvjpeg, overhead, train, images, yolo, yolo_train, doctor)"
            status=2 ;;
     esac
 done

@@ -22,7 +22,7 @@ from fastfeed.doctor.loaders import LoaderSpec
 from fastfeed.doctor.options import configurations
 from fastfeed.doctor.probe import LoaderTrace, Probe
 from fastfeed.doctor.settings import Settings
-from fastfeed.doctor.stages import profile_samples
+from fastfeed.doctor.stages import COLLATE, StageCost, profile_samples
 from fastfeed.doctor.system import ProcessTree, usage_between
 from fastfeed.doctor.trials import BASELINE, Result, TrialPlan, ready_ms, run_trials
 from fastfeed.doctor.verdict import judge
@@ -128,63 +128,16 @@ def _run(configs: list[Any], plan: TrialPlan, stall: float, consumer: float) -> 
     return run_trials(configs, plan)
 
 
-def diagnose(diagnosis: Diagnosis, captured: Captured, probe: Probe, settings: Settings
-             ) -> Diagnosis:
-    """Fill ``diagnosis`` from the closed window of ``captured``."""
-    trace, spec = captured.trace, captured.spec
-    steps = Steps.of(trace, settings.warmup)
-    consumer = steps.rate(steps.total_s) or 0.0
-    stall = steps.stall
-    _progress(f"window closed after {len(steps.waits)} steps (training waited "
-              f"{100 * stall:.0f}%); timing the dataset's stages")
-    diagnosis.notes += [f"left out {len(trace.computes) - settings.warmup - len(steps.waits)} "
-                        "steps in which another loader delivered batches"] if any(
-        not clean for clean in trace.clean[settings.warmup:]) else []
-    device = _device()
-    try:
-        stages, batch = profile_samples(spec.dataset, spec.arguments.get("collate_fn"),
-                                        spec.batch_size, settings.profile_seconds,
-                                        threads=None if spec.workers == 0 else 1)
-    except Exception as error:
-        stages, batch = [], None
-        diagnosis.notes.append(f"per-sample stages not measured: {type(error).__name__}: "
-                               f"{error}")
-    first = (trace.delivered_at[0] - trace.first_iter_at if trace.first_iter_at is not None
-             else None)
-    step = statistics.median(w + c for w, c in zip(steps.waits, steps.computes, strict=True))
-    # Start-up is what the first batch took beyond an ordinary step.
-    startup = max(0.0, first - step) if first is not None else None
-    epoch_s = spec.length * step if spec.length else None
-    startup_share = startup / (startup + epoch_s) if startup and epoch_s else None
-    configs, unmeasured = configurations(spec, stages, device, startup_share,
-                                         settings.trial_batches)
-    workers = available_cpus() if spec.workers == "auto" else int(spec.workers)
-    prefetched = workers * (spec.arguments.get("prefetch_factor") or 0)
-    plan = TrialPlan(spec, settings.trial_batches, settings.trial_seconds, settings.repeats,
-                     prefetched, device)
-    results = _run(configs, plan, stall, consumer)
-    ceiling = results[0].samples_per_s if not results[0].error else None
-    verdict = judge(stall, consumer, ceiling)
-    options = [Option(r.change, r.speedup, r.same_batches, r.samples_per_s, r.key, r.note)
-               for r in results if not r.error]
-    failed = [Unmeasured(r.change or "your loader, rebuilt", f"its run failed: {r.error}")
-              for r in results if r.error]
-    per_batch = [Stage("collate", c.ms * (spec.batch_size or 1), c.kind)
-                 for c in stages if c.kind == "collate"]
-    ready = ready_ms(plan)
-    if ready is not None:
-        per_batch.append(Stage("main process (next() with a batch ready)", ready))
-    if device is not None and batch is not None:
-        per_batch.append(Stage(f"transfer to {device}", _transfer_ms(batch, plan)))
-    usage = usage_between(captured.start, captured.end, captured.seconds)
-    diagnosis.outcome = REPORT
-    diagnosis.verdict, diagnosis.evidence = verdict.name, list(verdict.evidence)
-    diagnosis.stall_fraction = stall
+def _describe_window(diagnosis: Diagnosis, captured: Captured, probe: Probe,
+                     settings: Settings, steps: Steps) -> None:
+    """The figures of the script's own run: stall, rates, its loader, the machine."""
+    trace = captured.trace
+    diagnosis.stall_fraction = steps.stall
     diagnosis.stall_source = "cuda events" if steps.gpu_idle is not None else "host"
-    diagnosis.consumer_samples_per_s = consumer
+    diagnosis.consumer_samples_per_s = steps.rate(steps.total_s) or 0.0
     diagnosis.model_samples_per_s = steps.rate(sum(steps.computes))
-    diagnosis.loader_ceiling_samples_per_s = ceiling
-    diagnosis.time_to_first_batch_s = first
+    if trace.first_iter_at is not None:
+        diagnosis.time_to_first_batch_s = trace.delivered_at[0] - trace.first_iter_at
     diagnosis.loader = _loader(captured)
     diagnosis.other_loaders = [{"class": t.name, "batches": t.batches}
                                for t in probe.traces if t is not trace]
@@ -192,19 +145,91 @@ def diagnose(diagnosis: Diagnosis, captured: Captured, probe: Probe, settings: S
                         "seconds": steps.total_s, "stopped": not settings.let_finish}
     diagnosis.timeline_ms = {"wait": [1000 * w for w in steps.waits],
                              "compute": [1000 * c for c in steps.computes]}
+    usage = usage_between(captured.start, captured.end, captured.seconds)
     diagnosis.system = {"cpu_cores": available_cpus(), **asdict(usage),
                         "gpu": [asdict(g) for g in captured.gpu],
                         "gpu_status": captured.gpu_status}
+    measured = len(trace.computes) - settings.warmup
+    if len(steps.waits) < measured:
+        diagnosis.notes.append(f"left out {measured - len(steps.waits)} steps in which "
+                               "another loader delivered batches")
+
+
+def _startup_share(diagnosis: Diagnosis, spec: LoaderSpec, steps: Steps) -> float | None:
+    """Worker start-up's share of an epoch: what the first batch took beyond a step."""
+    first = diagnosis.time_to_first_batch_s
+    if first is None or not spec.length:
+        return None
+    step = statistics.median(w + c for w, c in zip(steps.waits, steps.computes, strict=True))
+    startup = max(0.0, first - step)
+    return startup / (startup + spec.length * step) if startup else None
+
+
+def _profile(diagnosis: Diagnosis, spec: LoaderSpec, settings: Settings
+             ) -> tuple[list[StageCost], Any]:
+    try:
+        return profile_samples(spec.dataset, spec.arguments.get("collate_fn"), spec.batch_size,
+                               settings.profile_seconds, threads=None if spec.workers == 0 else 1)
+    except Exception as error:  # the user's dataset, read again: report, never crash
+        diagnosis.notes.append(f"per-sample stages not measured: {type(error).__name__}: "
+                               f"{error}")
+        return [], None
+
+
+def _per_batch(stages: list[StageCost], batch: Any, plan: TrialPlan) -> list[Stage]:
+    per_batch = [Stage("collate", c.ms * (plan.spec.batch_size or 1), c.kind)
+                 for c in stages if c.kind == COLLATE]
+    ready = ready_ms(plan)
+    if ready is not None:
+        per_batch.append(Stage("main process (next() with a batch ready)", ready))
+    if plan.device is not None and batch is not None:
+        per_batch.append(Stage(f"transfer to {plan.device}", _transfer_ms(batch, plan)))
+    return sorted(per_batch, key=lambda s: s.ms, reverse=True)
+
+
+def _offer(diagnosis: Diagnosis, results: list[Result], unmeasured: list[Unmeasured],
+           loader_helps: bool) -> None:
+    """The options measured, the recommended ones, and what could not be measured; only the
+    script's loader's ceiling when the loader is not the bottleneck."""
+    options = [Option(r.change, r.speedup, r.same_batches, r.samples_per_s, r.key, r.note)
+               for r in results if not r.error and (r.key == BASELINE or r.change)]
+    failed = [Unmeasured(r.change or "your loader, rebuilt", f"its run failed: {r.error}")
+              for r in results if r.error]
+    if not loader_helps:
+        diagnosis.measured = options[:1]
+        return
+    diagnosis.measured = options
+    diagnosis.recommendations = sorted(
+        (o for o in options if o.change and o.speedup >= MIN_SPEEDUP),
+        key=lambda o: o.speedup, reverse=True)
+    diagnosis.unmeasured = unmeasured + failed
+
+
+def diagnose(diagnosis: Diagnosis, captured: Captured, probe: Probe, settings: Settings
+             ) -> Diagnosis:
+    """Fill ``diagnosis`` from the closed window of ``captured``: the run's figures, the
+    stages, the loader-alone runs, the verdict and what to change."""
+    spec = captured.spec
+    steps = Steps.of(captured.trace, settings.warmup)
+    _describe_window(diagnosis, captured, probe, settings, steps)
+    stall, consumer = steps.stall, diagnosis.consumer_samples_per_s or 0.0
+    _progress(f"window closed after {len(steps.waits)} steps (training waited "
+              f"{100 * stall:.0f}%); timing the dataset's stages")
+    stages, batch = _profile(diagnosis, spec, settings)
+    device = _device()
+    configs, unmeasured = configurations(spec, stages, device,
+                                         _startup_share(diagnosis, spec, steps),
+                                         settings.trial_batches)
+    workers = available_cpus() if spec.workers == "auto" else int(spec.workers)
+    plan = TrialPlan(spec, settings.trial_batches, settings.trial_seconds, settings.repeats,
+                     workers * (spec.arguments.get("prefetch_factor") or 0), device)
+    results = _run(configs, plan, stall, consumer)
+    ceiling = None if results[0].error else results[0].samples_per_s
+    verdict = judge(stall, consumer, ceiling)
+    diagnosis.outcome = REPORT
+    diagnosis.verdict, diagnosis.evidence = verdict.name, list(verdict.evidence)
+    diagnosis.loader_ceiling_samples_per_s = ceiling
     diagnosis.per_sample_ms = [Stage(c.stage, c.ms, c.kind) for c in stages]
-    diagnosis.per_batch_ms = sorted(per_batch, key=lambda s: s.ms, reverse=True)
-    # The script's loader first, then the options (other baselines are only yardsticks).
-    shown = [o for o in options if o.key == BASELINE or o.change]
-    if verdict.loader_helps:
-        diagnosis.measured = shown
-        diagnosis.recommendations = sorted((o for o in shown if o.change
-                                            and o.speedup >= MIN_SPEEDUP),
-                                           key=lambda o: o.speedup, reverse=True)
-        diagnosis.unmeasured = unmeasured + failed
-    else:
-        diagnosis.measured = shown[:1]
+    diagnosis.per_batch_ms = _per_batch(stages, batch, plan)
+    _offer(diagnosis, results, unmeasured, verdict.loader_helps)
     return diagnosis

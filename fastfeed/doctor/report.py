@@ -48,8 +48,8 @@ def _verdict(d: Diagnosis) -> list[str]:
     lines.append(f"  - with its data for free, the model step would take "
                  f"{_rate(d.model_samples_per_s)}")
     if d.time_to_first_batch_s is not None:
-        lines.append(f"  - the first batch took {d.time_to_first_batch_s:.2f} s (worker "
-                     "start-up)")
+        startup = " (worker start-up)" if d.loader.get("num_workers") != 0 else ""
+        lines.append(f"  - the first batch took {d.time_to_first_batch_s:.2f} s{startup}")
     return lines
 
 
