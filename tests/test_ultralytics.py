@@ -558,7 +558,8 @@ def test_hsv_lookup_matches_random_hsv():
     """The same numpy draws: Ultralytics' RandomHSV on each image against the batch op."""
     from ultralytics.data.augment import RandomHSV
 
-    from fastfeed.ultralytics.gpu_augment import _hsv_lut, opencv_hsv_truncates
+    from fastfeed.ultralytics.gpu_augment import opencv_hsv_truncates
+    from fastfeed.ultralytics.hsv import draw_lut
     from fastfeed.ultralytics.pixel_ops import hsv_lookup
 
     rng = np.random.default_rng(2)
@@ -567,7 +568,7 @@ def test_hsv_lookup_matches_random_hsv():
     np.random.seed(0)
     expected = np.stack([hsv({"img": image.copy()})["img"] for image in images])
     np.random.seed(0)
-    luts = torch.from_numpy(np.stack([_hsv_lut(hsv) for _ in images]))
+    luts = torch.from_numpy(np.stack([draw_lut(hsv) for _ in images]))
     got = hsv_lookup(torch.from_numpy(images), luts, torch.tensor([True, True, True, False]),
                      opencv_hsv_truncates()).numpy()
     assert np.array_equal(got[3], images[3])
@@ -649,3 +650,166 @@ def test_training_stall_benchmark_runs(tmp_path):
                          timeout=600, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "| patched |" in out.stdout and "data stall" in out.stdout
+
+
+# -- the one-pass HSV jitter ------------------------------------------------------------------
+
+def opencv_hsv(image, lut):
+    out = image.copy()
+    hsv = cv2.cvtColor(out, cv2.COLOR_BGR2HSV)
+    cv2.cvtColor(cv2.LUT(hsv, np.ascontiguousarray(lut.T).reshape(1, 256, 3)),
+                 cv2.COLOR_HSV2BGR, dst=out)
+    return out
+
+
+@pytest.mark.skipif(cv2.__version__ < "5", reason="OpenCV 4 rounds HSV->BGR")
+def test_hsv_kernel_is_opencvs_on_every_colour():
+    """All 2^24 BGR colours, rows of 640 pixels, under tables Ultralytics draws."""
+    from ultralytics.data.augment import RandomHSV
+
+    from fastfeed.ultralytics.hsv import draw_lut, hsv_jitter, matches_opencv
+
+    assert matches_opencv()
+    every = np.arange(1 << 24, dtype=np.uint32)
+    colours = np.stack([every >> 16, (every >> 8) & 255, every & 255], -1).astype(np.uint8)
+    image = np.resize(colours, (26215 * 640, 3)).reshape(26215, 640, 3)
+    np.random.seed(0)
+    for gains in [(0.015, 0.7, 0.4), (0.5, 0.5, 0.5)]:
+        lut = draw_lut(RandomHSV(*gains))
+        got = image.copy()
+        hsv_jitter(got, lut)
+        assert np.array_equal(got, opencv_hsv(image, lut))
+
+
+def test_hsv_jitter_keeps_ultralytics_bytes_and_draws():
+    """Through RandomHSV itself: the kernel's widths and OpenCV's (a width that is not a
+    multiple of 32, a grey image), with the same numpy draws."""
+    from ultralytics.data.augment import RandomHSV
+
+    rng = np.random.default_rng(3)
+    images = [rng.integers(0, 256, (48, 640, 3), dtype=np.uint8),
+              rng.integers(0, 256, (40, 100, 3), dtype=np.uint8),
+              rng.integers(0, 256, (40, 64, 1), dtype=np.uint8)]
+    outputs = []
+    for patched in (False, True):
+        if patched:
+            fu.patch()
+        np.random.seed(0)
+        transform = RandomHSV(0.015, 0.7, 0.4)
+        outputs.append([transform({"img": image.copy()})["img"] for image in images]
+                       + [np.random.random()])
+    assert_same(outputs[1], outputs[0])
+
+
+# -- one image cache per machine (patch(cache="shared")) --------------------------------------
+
+RANK = """
+import hashlib, json, os, sys
+os.environ["YOLO_OFFLINE"] = "1"
+from ultralytics.cfg import get_cfg
+from ultralytics.data import base, build_yolo_dataset
+from ultralytics.utils import DEFAULT_CFG
+import fastfeed.ultralytics as fu
+
+fu.patch(cache="shared")
+decoded = []
+imread = base.imread
+base.imread = lambda *args, **kwargs: decoded.append(1) or imread(*args, **kwargs)
+cfg = get_cfg(DEFAULT_CFG, {"imgsz": 160, "cache": "ram"})
+info = {"names": {i: str(i) for i in range(8)}, "nc": 8, "channels": 3}
+data = build_yolo_dataset(cfg, sys.argv[1], 4, info, mode="train")
+images = [data.load_image(i) for i in range(len(data))]
+digest = hashlib.sha256(b"".join(i.tobytes() + repr(hw).encode() for i, hw, _ in images))
+path = str(data.ims.path)
+memory, inside = {}, False
+for line in open("/proc/self/smaps"):
+    key, _, value = line.partition(":")
+    if " " in key:  # a mapping's first line: "start-end perms offset dev inode path"
+        inside = line.rstrip().endswith(path)
+    elif inside and value.strip().endswith("kB"):
+        memory[key] = memory.get(key, 0) + int(value.split()[0])
+print("report:", json.dumps({"path": path, "decoded": len(decoded), "memory": memory,
+                  "digest": digest.hexdigest(),
+                  "image_bytes": sum(i.nbytes for i, _, _ in images)}), flush=True)
+sys.stdin.readline()  # keep the mapping until the test has measured both processes
+"""
+
+
+def images_digest(images):
+    import hashlib
+
+    return hashlib.sha256(b"".join(i.tobytes() + repr(hw).encode() for i, hw, _ in images)
+                          ).hexdigest()
+
+
+def test_shared_cache_serves_two_ranks_from_one_copy(yolo_root):
+    """Two processes, as two DDP ranks: the first decodes every image, the second none; both
+    map the same pages (the second's proportional share is half of what it maps, nothing is
+    private), the file is the images' size, its images are Ultralytics' cache="ram" ones,
+    and it is gone when both have exited."""
+    from fastfeed.ultralytics.shared_cache import cache_dir
+
+    before = set(cache_dir().glob("fastfeed-yolo-*"))
+    cfg = get_cfg(DEFAULT_CFG, {"imgsz": 160, "cache": "ram"})
+    info = {"names": NAMES, "nc": len(NAMES), "channels": 3}
+    stock = build_yolo_dataset(cfg, str(yolo_root / "images"), 4, info, mode="train")
+    expected = images_digest([stock.load_image(i) for i in range(len(stock))])
+    ranks, reports = [], []
+    try:
+        for _ in range(2):
+            rank = subprocess.Popen([sys.executable, "-c", RANK, str(yolo_root / "images")],
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            ranks.append(rank)
+            line = ""
+            while not line.startswith("report:"):  # after Ultralytics' own log lines
+                line = rank.stdout.readline()
+                assert line, "the rank exited early"
+            reports.append(json.loads(line.removeprefix("report:")))
+    finally:
+        for rank in ranks:
+            rank.communicate("go\n", timeout=60)
+    first, second = reports
+    assert [first["decoded"], second["decoded"]] == [len(stock), 0]
+    assert first["digest"] == second["digest"] == expected
+    assert first["path"] == second["path"]
+    memory = second["memory"]
+    assert memory["Private_Clean"] == memory["Private_Dirty"] == 0
+    assert memory["Rss"] * 1024 >= second["image_bytes"]
+    assert memory["Pss"] <= memory["Rss"] / 2 + 4  # every page shared with the first rank
+    assert memory["Size"] * 1024 < second["image_bytes"] + 64 * 1024  # one copy, no slack
+    assert set(cache_dir().glob("fastfeed-yolo-*")) == before
+
+
+def test_shared_cache_batches_equal_ram_cache(yolo_root):
+    """Training batches through build_dataloader, with workers: Ultralytics' cache="ram"
+    against patch(cache="shared") (Mosaic draws from the whole dataset in both)."""
+    runs = []
+    for patched in (False, True):
+        if patched:
+            fu.patch(cache="shared")
+        torch.manual_seed(0)
+        cfg = get_cfg(DEFAULT_CFG, {"imgsz": 160, "cache": "ram"})
+        data = build_yolo_dataset(cfg, str(yolo_root / "images"), 4,
+                                  {"names": NAMES, "nc": len(NAMES), "channels": 3}, mode="train")
+        loader = build_dataloader(data, 4, 2, shuffle=True, rank=-1)
+        runs.append([list(loader), list(loader)])
+        loader.close()
+        if patched:
+            data.ims.close()
+    assert_same(runs[1], runs[0])
+
+
+def test_shared_cache_over_budget_says_so_and_decodes(yolo_root):
+    from fastfeed.ultralytics.shared_cache import cache_dir
+
+    before = set(cache_dir().glob("fastfeed-yolo-*"))
+    fu.patch(cache="shared", cache_budget_gib=1e-4)
+    cfg = get_cfg(DEFAULT_CFG, {"imgsz": 160, "cache": "ram"})
+    with pytest.warns(RuntimeWarning, match=r"shared image cache is off: 24 images need"):
+        data = build_yolo_dataset(cfg, str(yolo_root / "images"), 4,
+                                  {"names": NAMES, "nc": len(NAMES), "channels": 3},
+                                  mode="train")
+    assert data.cache is None and data.ims[0] is None
+    assert set(cache_dir().glob("fastfeed-yolo-*")) == before
+    with pytest.raises(ValueError, match="cache must be"):
+        fu.patch(cache="ram")

@@ -23,6 +23,7 @@ it and removes it at its end.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import hashlib
@@ -119,7 +120,7 @@ class SharedImages:
         self._closer = weakref.finalize(self, _release, self.fd, path, self.pid)
 
     def _lay_out(self, fd: int) -> None:
-        """Size and lay out a new file (the caller holds it exclusively)."""
+        """Size and lay out a new file, which no other process has opened yet."""
         free = shutil.disk_usage(self.path.parent).free
         too_little = CacheDoesNotFit(f"{len(self.shapes)} images need "
                                      f"{self.nbytes / 2**30:.2f} GiB, and {self.path.parent} "
@@ -194,31 +195,45 @@ def _load(table: np.ndarray, i: int) -> bool:
 
 
 def _open_locked(path: Path, nbytes: int, lay_out: Callable[[int], None]) -> int:
-    """Open ``path`` (laid out by ``lay_out`` if new) under a shared lock. The lock is taken
-    exclusively first, so that no process reads a file another is laying out, and retried if
-    the last holder removed the file meanwhile."""
+    """Open ``path`` under a shared lock, first creating it with ``lay_out`` if it is missing.
+
+    A new file is laid out under a name of its own and then linked to ``path``, so that no
+    process ever opens a file that is still being laid out; if another process linked its file
+    first, that one is used. An open is retried if the last holder removed the file between
+    our open and our lock (it then finds the file missing, or another file at its name).
+    """
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        locked = False
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            locked = True
-            if not path.exists() or os.stat(path).st_ino != os.fstat(fd).st_ino:
-                os.close(fd)
-                continue  # removed by its last holder between our open and our lock
-            size = os.fstat(fd).st_size
-            if size == 0:
-                lay_out(fd)
-            elif size != nbytes or _magic(fd) != _MAGIC:
-                raise RuntimeError(f"fastfeed: {path} is not this dataset's image cache "
-                                   f"({size} bytes, expected {nbytes}); remove it")
-            fcntl.flock(fd, fcntl.LOCK_SH)
-            return fd
-        except BaseException:
-            if locked and os.fstat(fd).st_size == 0:  # never laid out: leave nothing behind
-                path.unlink(missing_ok=True)
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError:
+            _create(path, lay_out)
+            continue
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        try:
+            current = os.stat(path).st_ino
+        except FileNotFoundError:
+            current = -1
+        if current != os.fstat(fd).st_ino:
             os.close(fd)
-            raise
+            continue
+        if os.fstat(fd).st_size != nbytes or _magic(fd) != _MAGIC:
+            os.close(fd)
+            raise RuntimeError(f"fastfeed: {path} is not this dataset's image cache; remove it")
+        return fd
+
+
+def _create(path: Path, lay_out: Callable[[int], None]) -> None:
+    """Put a new file laid out by ``lay_out`` at ``path``, unless another process puts its
+    own there first."""
+    staging = path.with_name(f"{path.name}.{os.getpid()}.new")
+    fd = os.open(staging, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        lay_out(fd)
+        with contextlib.suppress(FileExistsError):
+            os.link(staging, path)
+    finally:
+        os.close(fd)
+        staging.unlink(missing_ok=True)
 
 
 def _magic(fd: int) -> int:
