@@ -302,8 +302,10 @@ def test_costly_transform_is_named_first_and_the_run_data_bound(costly):
     assert 0 <= found["stall_fraction"] <= 1
     assert found["consumer_samples_per_s"] > 0 and found["loader_ceiling_samples_per_s"] > 0
     measured = {o["key"]: o for o in found["measured"]}
-    assert {"yours", "swap", "auto"} <= set(measured)
+    assert {"yours", "swap"} <= set(measured)
     assert measured["swap"]["same_batches"] is True  # the contract, checked by fingerprints
+    if "workers" in measured:  # the count "auto" settled on, on the script's own loader
+        assert measured["workers"]["change"] != "DataLoader(..., num_workers=2)"
     for option in found["recommendations"]:
         assert set(option) >= {"change", "speedup", "same_batches"}
         assert option["speedup"] >= 1.1 and option["change"]

@@ -97,7 +97,7 @@ def test_ultralytics_options_are_measured_on_its_loader(tmp_path):
     spec = LoaderSpec.of(loader)
     configs, _ = configurations(spec, [], None, None, 4)
     assert [c.key for c in configs] == ["yours", "patch", "fast_decode"]
-    results = {r.key: r for r in run_trials(configs, TrialPlan(spec, 4, 5.0, 2, prefetched=4))}
+    results = {r.key: r for r in run_trials(configs, TrialPlan(spec, 4, 5.0, 2))}
     assert not fu.is_patched()  # each patched run gives Ultralytics back its own code
     assert all(r.samples_per_s > 0 and not r.error for r in results.values())
     assert results["patch"].same_batches is True  # patch() keeps Ultralytics' batches

@@ -1,7 +1,7 @@
 """The doctor's measuring process: runs the user's script under the probe, then measures.
 
 ``python -m fastfeed.doctor.child RESULT SETTINGS SCRIPT [ARGS...]`` runs SCRIPT as ``python
-SCRIPT ARGS`` would (``__main__``, ``sys.argv``, ``sys.path[0]``), with the probe installed, and
+SCRIPT ARGS`` would (as ``__main__``, with ``sys.argv`` and ``sys.path[0]``), under the probe, and
 writes a :class:`~fastfeed.doctor.findings.Diagnosis` to RESULT. The script's output and its
 own traceback go to this process's stdout and stderr as they would without the doctor. Only
 the command line (:mod:`fastfeed.doctor.cli`) starts it, in a session of its own, so that
@@ -13,10 +13,10 @@ from __future__ import annotations
 import gc
 import json
 import os
-import runpy
 import sys
 import time
 import traceback
+import types
 from pathlib import Path
 
 from torch.utils.data import DataLoader
@@ -73,13 +73,27 @@ def _chain(error: BaseException | None) -> list[BaseException]:
     return seen
 
 
+def _as_main(script: str) -> types.ModuleType:
+    """A module for ``script`` as ``python SCRIPT`` makes it, installed as ``__main__``.
+
+    It stays ``__main__`` after the script has stopped (unlike ``runpy``'s, which is taken
+    back): the loader-alone runs rebuild the script's loader, and workers started by spawn or
+    forkserver find the script's classes through ``__main__``'s file.
+    """
+    main = types.ModuleType("__main__")
+    main.__file__ = script
+    sys.modules["__main__"] = main
+    return main
+
+
 def run_script(script: str, args: list[str], probe: Probe) -> str | None:
     """Run ``script`` as ``__main__``; ``None`` when it ended or the window stopped it, else
     what went wrong, in a few words (a traceback is printed as Python prints it)."""
     sys.argv = [script, *args]
     sys.path[0] = os.path.dirname(os.path.abspath(script))
     try:
-        runpy.run_path(script, run_name="__main__")
+        code = compile(Path(script).read_bytes(), script, "exec")
+        exec(code, vars(_as_main(script)))
     except SystemExit as exit:
         if exit.code not in (None, 0):
             return f"exit status {exit.code}"

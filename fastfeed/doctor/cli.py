@@ -86,20 +86,24 @@ def _group(pgid: int) -> list[int]:
     return members
 
 
-def stop_leftovers(pgid: int, grace: float = 5.0) -> list[int]:
-    """Stop what is left of the measuring process's group: SIGTERM, then SIGKILL after
-    ``grace`` seconds. Returns the pids found."""
-    left = _group(pgid)
+def _wait_empty(pgid: int, seconds: float) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while (left := _group(pgid)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return left
+
+
+def stop_leftovers(pgid: int, settle: float = 2.0, grace: float = 5.0) -> list[int]:
+    """Stop what is left of the measuring process's group after ``settle`` seconds (helpers
+    that end when their parent does, such as multiprocessing's resource tracker, take a
+    moment): SIGTERM, then SIGKILL after ``grace`` seconds. Returns the pids stopped."""
+    stopped = left = _wait_empty(pgid, settle)
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for pid in left:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
-        deadline = time.monotonic() + grace
-        while _group(pgid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if not _group(pgid):
-            break
-    return left
+        left = _wait_empty(pgid, grace) if left else []
+    return stopped
 
 
 def _measure(settings: Settings, script: str, script_args: list[str]) -> Diagnosis | None:

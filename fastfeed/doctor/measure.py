@@ -19,12 +19,19 @@ import torch
 from fastfeed._proc import available_cpus
 from fastfeed.doctor.findings import REPORT, Diagnosis, Option, Stage, Unmeasured
 from fastfeed.doctor.loaders import LoaderSpec
-from fastfeed.doctor.options import configurations
+from fastfeed.doctor.options import configurations, workers_settle, yours
 from fastfeed.doctor.probe import LoaderTrace, Probe
 from fastfeed.doctor.settings import Settings
 from fastfeed.doctor.stages import COLLATE, StageCost, profile_samples
 from fastfeed.doctor.system import ProcessTree, usage_between
-from fastfeed.doctor.trials import BASELINE, Result, TrialPlan, ready_ms, run_trials
+from fastfeed.doctor.trials import (
+    BASELINE,
+    Result,
+    TrialPlan,
+    ready_ms,
+    run_trials,
+    settle_workers,
+)
 from fastfeed.doctor.verdict import judge
 from fastfeed.nvml import GpuSample
 
@@ -115,17 +122,26 @@ def _loader(captured: Captured) -> dict[str, Any]:
                if value not in (None, False)}}
 
 
-def _run(configs: list[Any], plan: TrialPlan, stall: float, consumer: float) -> list[Result]:
-    """The script's loader alone first when the loop barely waited; the options only if the
-    loader can be the bottleneck."""
+def _measure_options(spec: LoaderSpec, stages: list[StageCost], plan: TrialPlan,
+                     settings: Settings, startup_share: float | None, stall: float,
+                     consumer: float) -> tuple[list[Result], list[Unmeasured]]:
+    """The script's loader alone first when the loop barely waited, and the options only if
+    the loader can be the bottleneck; ``num_workers="auto"`` is let settle before them."""
     if not judge(stall, consumer, None).loader_helps:
         _progress("the loop barely waited: measuring the loader's ceiling alone")
-        ceiling = run_trials(configs[:1], plan)
+        ceiling = run_trials([yours(spec)], plan)
         if ceiling[0].error or not judge(stall, consumer, ceiling[0].samples_per_s).loader_helps:
-            return ceiling
+            return ceiling, []
+    settled = None
+    if workers_settle(spec):
+        _progress(f'letting num_workers="auto" settle on your data (up to '
+                  f"{settings.trial_seconds:g} s)")
+        settled = settle_workers(plan)
+    configs, unmeasured = configurations(spec, stages, plan.device, startup_share,
+                                         settings.trial_batches, settled)
     _progress(f"measuring {len(configs)} loader configurations × {plan.repeats} repeats, "
               "alternated")
-    return run_trials(configs, plan)
+    return run_trials(configs, plan), unmeasured
 
 
 def _describe_window(diagnosis: Diagnosis, captured: Captured, probe: Probe,
@@ -216,14 +232,11 @@ def diagnose(diagnosis: Diagnosis, captured: Captured, probe: Probe, settings: S
     _progress(f"window closed after {len(steps.waits)} steps (training waited "
               f"{100 * stall:.0f}%); timing the dataset's stages")
     stages, batch = _profile(diagnosis, spec, settings)
-    device = _device()
-    configs, unmeasured = configurations(spec, stages, device,
-                                         _startup_share(diagnosis, spec, steps),
-                                         settings.trial_batches)
-    workers = available_cpus() if spec.workers == "auto" else int(spec.workers)
     plan = TrialPlan(spec, settings.trial_batches, settings.trial_seconds, settings.repeats,
-                     workers * (spec.arguments.get("prefetch_factor") or 0), device)
-    results = _run(configs, plan, stall, consumer)
+                     _device())
+    results, unmeasured = _measure_options(spec, stages, plan, settings,
+                                           _startup_share(diagnosis, spec, steps), stall,
+                                           consumer)
     ceiling = None if results[0].error else results[0].samples_per_s
     verdict = judge(stall, consumer, ceiling)
     diagnosis.outcome = REPORT

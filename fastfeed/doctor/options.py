@@ -3,7 +3,8 @@
 The script's own loader comes first (``"yours"``); then the lines of fastfeed that apply:
 
 - ``swap``: the import swap, ``FastLoader`` with the same arguments;
-- ``auto``: ``num_workers="auto"``, and the count it settled on;
+- ``workers``: the worker count ``num_workers="auto"`` settles on, given to the script's own
+  loader (where it differs from the script's);
 - ``accelerate``: ``fastfeed.vision.accelerate(dataset)``, for a torchvision ``ImageFolder``
   whose transforms it recognises (with the swap);
 - ``patch`` and ``fast_decode``: ``fastfeed.ultralytics.patch()``, for an Ultralytics dataset;
@@ -26,15 +27,14 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import IterableDataset
 
 from fastfeed.doctor.findings import Unmeasured
 from fastfeed.doctor.loaders import LoaderSpec
 from fastfeed.doctor.stages import DECODE, StageCost
 from fastfeed.doctor.trials import BASELINE, Config
-from fastfeed.loader import FastLoader
 
-__all__ = ["configurations"]
+__all__ = ["configurations", "workers_settle", "yours"]
 
 # Decode functions that open images with Pillow (torchvision's, and by name a user's).
 _PILLOW_LOADERS = ("pil_loader", "default_loader", "PIL", "pil")
@@ -44,11 +44,6 @@ STARTUP_SHARE = 0.05
 
 def _from(dataset: Any, package: str) -> bool:
     return any(cls.__module__.split(".")[0] == package for cls in type(dataset).__mro__)
-
-
-def _settled_workers(loader: DataLoader) -> str:
-    assert isinstance(loader, FastLoader)
-    return f"settled on {loader.stats().workers} workers"
 
 
 @contextlib.contextmanager
@@ -99,9 +94,70 @@ def _pillow_simd() -> bool:
     return True
 
 
+def yours(spec: LoaderSpec) -> Config:
+    """The script's own loader, rebuilt: what every option is compared with."""
+    base = "FastLoader" if spec.fast else "torch's DataLoader"
+    return Config(BASELINE, "", lambda: spec.build(),
+                  note=f"{spec.kind.rsplit('.', 1)[-1]}'s arguments on {base}")
+
+
+def workers_settle(spec: LoaderSpec) -> bool:
+    """Whether to let ``num_workers="auto"`` settle on this loader's data first: not where it
+    is in use already, nor for an IterableDataset (auto keeps its starting count there), nor
+    for Ultralytics (which sets the count from ``model.train(workers=...)``)."""
+    return (spec.workers != "auto" and not isinstance(spec.dataset, IterableDataset)
+            and not _from(spec.dataset, "ultralytics"))
+
+
+def _workers(spec: LoaderSpec, settled: int | None) -> list[Config]:
+    if settled is None or settled == spec.workers:
+        return []
+    return [Config("workers", f"DataLoader(..., num_workers={settled})",
+                   lambda: spec.build(num_workers=settled),
+                   note='the count num_workers="auto" settled on here')]
+
+
+def _persistent(spec: LoaderSpec, startup_share: float | None, trial_batches: int
+                ) -> tuple[list[Config], list[Unmeasured]]:
+    change = "DataLoader(..., persistent_workers=True)"
+    if (spec.workers == 0 or spec.arguments["persistent_workers"] or startup_share is None
+            or startup_share < STARTUP_SHARE):
+        return [], []
+    if spec.length is None or 2 * spec.length > trial_batches:
+        return [], [Unmeasured(change, (
+            f"starting workers took {100 * startup_share:.0f}% of an epoch, but epochs are "
+            f"longer than a loader-alone run ({trial_batches} batches)"))]
+    return [Config("yours, whole epochs", "", lambda: spec.build(), epochs=True),
+            Config("persistent", change, lambda: spec.build(persistent_workers=True),
+                   epochs=True, against="yours, whole epochs",
+                   note="timed over whole epochs, start-up included")], []
+
+
+def _gpu(spec: LoaderSpec, device: torch.device | None) -> tuple[list[Config], list[Unmeasured]]:
+    if device is None:
+        return [], ([] if torch.cuda.is_available() else [
+            Unmeasured('device="cuda", pin_memory=True', "no GPU on this machine")])
+    configs = [Config("device", f'FastLoader(..., device="{device.type}")',
+                      lambda: spec.build(fast=True, device=str(device)))]
+    if not spec.arguments["pin_memory"]:
+        configs.append(Config("pin_memory", "DataLoader(..., pin_memory=True)",
+                              lambda: spec.build(pin_memory=True)))
+    return configs, []
+
+
+def _pillow(stages: list[StageCost]) -> list[Unmeasured]:
+    decode = next((s for s in stages if s.kind == DECODE and any(
+        name in s.stage for name in _PILLOW_LOADERS)), None)
+    if decode is None or _pillow_simd():
+        return []
+    return [Unmeasured("pip install pillow-simd", (
+        f"not installed here, so its speed on your images cannot be measured (Pillow's "
+        f"decode costs {decode.ms:.2f} ms per sample)"))]
+
+
 def configurations(spec: LoaderSpec, stages: list[StageCost], device: torch.device | None,
-                   startup_share: float | None, trial_batches: int
-                   ) -> tuple[list[Config], list[Unmeasured]]:
+                   startup_share: float | None, trial_batches: int,
+                   settled_workers: int | None = None) -> tuple[list[Config], list[Unmeasured]]:
     """The script's loader and the options that apply to it, and those that cannot be measured.
 
     Args:
@@ -111,51 +167,22 @@ def configurations(spec: LoaderSpec, stages: list[StageCost], device: torch.devi
         startup_share: worker start-up's share of an epoch, if known.
         trial_batches: batches a loader-alone run times (an epoch must fit twice in it for
             persistent workers to show).
+        settled_workers: the count ``num_workers="auto"`` settled on, where it was let settle
+            (:func:`workers_settle`).
     """
-    ultralytics = _from(spec.dataset, "ultralytics")
-    base = "torch's DataLoader" if not spec.fast else "FastLoader"
-    configs = [Config(BASELINE, "", lambda: spec.build(),
-                      note=f"{spec.kind.rsplit('.', 1)[-1]}'s arguments on {base}")]
+    configs = [yours(spec)]
     unmeasured: list[Unmeasured] = []
-    if ultralytics:
+    if _from(spec.dataset, "ultralytics"):
         configs += _ultralytics(spec)
     elif not spec.fast:
         configs.append(Config("swap", "from fastfeed import FastLoader as DataLoader",
                               lambda: spec.build(fast=True)))
-    if not ultralytics and spec.workers != "auto":
-        configs.append(Config("auto", 'FastLoader(..., num_workers="auto")',
-                              lambda: spec.build(fast=True, num_workers="auto"),
-                              settled=_settled_workers))
+    configs += _workers(spec, settled_workers)
     if _from(spec.dataset, "torchvision"):
         config, skipped = _accelerate(spec)
         configs += [config] if config is not None else []
         unmeasured += [skipped] if skipped is not None else []
-    persistent = 'DataLoader(..., persistent_workers=True)'
-    if (spec.workers != 0 and not spec.arguments["persistent_workers"]
-            and startup_share is not None and startup_share >= STARTUP_SHARE):
-        if spec.length is not None and 2 * spec.length <= trial_batches:
-            configs += [Config("yours, whole epochs", "", lambda: spec.build(), epochs=True),
-                        Config("persistent", persistent,
-                               lambda: spec.build(persistent_workers=True), epochs=True,
-                               against="yours, whole epochs",
-                               note="timed over whole epochs, start-up included")]
-        else:
-            unmeasured.append(Unmeasured(persistent, (
-                f"starting workers took {100 * startup_share:.0f}% of an epoch, but epochs "
-                f"are longer than a loader-alone run ({trial_batches} batches)")))
-    if device is not None:
-        configs.append(Config("device", f'FastLoader(..., device="{device.type}")',
-                              lambda: spec.build(fast=True, device=str(device))))
-        if not spec.arguments["pin_memory"]:
-            configs.append(Config("pin_memory", "DataLoader(..., pin_memory=True)",
-                                  lambda: spec.build(pin_memory=True)))
-    elif not torch.cuda.is_available():
-        unmeasured.append(Unmeasured('device="cuda", pin_memory=True',
-                                     "no GPU on this machine"))
-    decode = next((s for s in stages if s.kind == DECODE and any(
-        name in s.stage for name in _PILLOW_LOADERS)), None)
-    if decode is not None and not _pillow_simd():
-        unmeasured.append(Unmeasured("pip install pillow-simd", (
-            f"not installed here, so its speed on your images cannot be measured (Pillow's "
-            f"decode costs {decode.ms:.2f} ms per sample)")))
-    return configs, unmeasured
+    for more, cannot in (_persistent(spec, startup_share, trial_batches), _gpu(spec, device)):
+        configs += more
+        unmeasured += cannot
+    return configs, unmeasured + _pillow(stages)

@@ -77,7 +77,7 @@ def _system(d: Diagnosis) -> list[str]:
         parts[0] += f", {s['cores_used']:.1f} in use"
     if s.get("worker_processes"):
         busy = s.get("worker_busy")
-        parts.append(f"{s['worker_processes']} worker processes"
+        parts.append(f"{s['worker_processes']} child processes (workers)"
                      + (f" {100 * busy:.0f}% busy (CPU)" if busy is not None else ""))
     if s.get("main_memory_mb") is not None:
         workers = s.get("workers_memory_mb")

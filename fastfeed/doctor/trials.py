@@ -29,14 +29,15 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from fastfeed._proc import available_cpus
 from fastfeed.doctor.fingerprint import fingerprint, resolve
 from fastfeed.doctor.loaders import LoaderSpec
+from fastfeed.loader import FastLoader
 from fastfeed.progress import progress
 from fastfeed.telemetry import batch_length
 from fastfeed.tree import map_tensors
 
-__all__ = ["BASELINE", "Config", "Result", "TrialPlan", "ready_ms", "run_trials"]
+__all__ = ["BASELINE", "Config", "Result", "TrialPlan", "ready_ms", "run_trials",
+           "settle_workers"]
 
 BASELINE = "yours"  # the key of the script's own loader
 # Prefetched batches a run warms up with, at most, however many the workers prefetch.
@@ -54,7 +55,6 @@ class Config:
         build: makes a fresh loader.
         context: entered around building and iterating (a patch, say).
         note: said with the result.
-        settled: reads something the run learned from its loader (the workers "auto" chose).
         epochs: time whole epochs, their start included, after a first one (what persistent
             workers change); by default a run times the steady pace within the first epoch.
         against: the key of the configuration its speed-up is measured against.
@@ -65,7 +65,6 @@ class Config:
     build: Callable[[], DataLoader]
     context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
     note: str = ""
-    settled: Callable[[DataLoader], str] | None = None
     epochs: bool = False
     against: str = BASELINE
 
@@ -75,7 +74,6 @@ class _Run:
     rate: float
     fingerprints: list[tuple[Any, ...]]
     ready_ms: list[float]
-    settled: str
 
 
 @dataclass
@@ -93,47 +91,50 @@ class Result:
     error: str = ""
 
 
+@dataclass(frozen=True)
+class _Shape:
+    """A run's warm-up and timed batches. Workers deliver in rounds (torch's order is
+    round-robin), so a run times whole ``rounds``: where it starts within a round does not
+    bias its rate. ``prefetched``: the batches its workers fetch ahead."""
+
+    warmup: int
+    timed: int
+    rounds: int
+    prefetched: int
+
+
 @dataclass
 class TrialPlan:
     """How long each run lasts, and what the script did with a batch (``to(device)``).
 
-    ``prefetched`` is how many batches the script's workers fetch ahead (0 without workers):
-    each run warms up with its first batch and that many more (at least one), and the
-    script's loader's runs time the ``next()`` of those, once its workers have had time to
-    prepare them.
+    Each run warms up with its first batch and the batches its workers prefetch (at least
+    one); the script's loader's runs time the ``next()`` of those once the workers have had
+    time to prepare them (:func:`ready_ms`).
     """
 
     spec: LoaderSpec
     batches: int = 30
     seconds: float = 10.0
     repeats: int = 3
-    prefetched: int = 0
     device: torch.device | None = None
     results: dict[str, list[_Run]] = field(default_factory=dict)
 
-    @property
-    def warmup(self) -> int:
-        return 1 + min(_MAX_WARMUP, max(1, self.prefetched))
-
-    @property
-    def rounds(self) -> int:
-        """Workers deliver in rounds (torch's order is round-robin): a run times whole rounds,
-        so that where it starts within a round does not bias its rate."""
-        workers = self.spec.workers
-        return max(1, available_cpus() if workers == "auto" else int(workers))
-
-    def counts(self, config: Config) -> tuple[int, int]:
-        """``(warm-up, timed)`` batches of a run of ``config``: whole rounds within the first
-        epoch where it is long enough; a first epoch, then two, in ``epochs`` mode or when
-        epochs are too short to hold a warm-up and a round (their starts then count)."""
+    def shape(self, config: Config, loader: DataLoader) -> _Shape:
+        """How a run of ``config`` goes, given its loader: whole rounds within the first epoch
+        where it is long enough; a first epoch, then two, in ``epochs`` mode or when epochs
+        are too short to hold a warm-up and a round (their starts then count)."""
+        workers = loader.num_workers
+        rounds = max(1, workers)
+        prefetched = workers * (loader.prefetch_factor or 0) if workers else 0
+        warmup = 1 + min(_MAX_WARMUP, max(1, prefetched))
         length = self.spec.length
-        if config.epochs or (length is not None and length < self.warmup + self.rounds):
+        if config.epochs or (length is not None and length < warmup + rounds):
             assert length is not None, "epochs mode needs a loader that ends its epochs"
-            return length, 2 * length
-        rounds = max(1, round(self.batches / self.rounds))
+            return _Shape(length, 2 * length, rounds, prefetched)
+        timed = max(1, round(self.batches / rounds))
         if length is not None:
-            rounds = max(1, min(rounds, (length - self.warmup) // self.rounds))
-        return self.warmup, rounds * self.rounds
+            timed = max(1, min(timed, (length - warmup) // rounds))
+        return _Shape(warmup, timed * rounds, rounds, prefetched)
 
     def consume(self, batch: Any) -> Any:
         device = self.device
@@ -153,7 +154,7 @@ def _endless(loader: DataLoader) -> Generator[Any, None, None]:
             raise RuntimeError("the loader yielded no batches")
 
 
-def _warm_up(batches: Iterator[Any], plan: TrialPlan, count: int, ready: bool
+def _warm_up(batches: Iterator[Any], plan: TrialPlan, shape: _Shape, ready: bool
              ) -> tuple[list[list[Any]], list[float]]:
     """The first batch (worker start-up), then the batches the workers prefetch: their
     fingerprints and, with ``ready``, how long ``next()`` took for each of them after a pause
@@ -165,9 +166,9 @@ def _warm_up(batches: Iterator[Any], plan: TrialPlan, count: int, ready: bool
         # The first batch took about one batch's work (and the start-up): each worker has
         # prefetched/rounds batches to make.
         first = time.perf_counter() - asked
-        time.sleep(min(1.0, 2 * first * plan.prefetched / plan.rounds))
+        time.sleep(min(1.0, 2 * first * shape.prefetched / shape.rounds))
     ready_ms = []
-    for _ in range(count - 1):
+    for _ in range(shape.warmup - 1):
         asked = time.perf_counter()
         prints.append(fingerprint(plan.consume(next(batches))))
         ready_ms.append(1000 * (time.perf_counter() - asked))
@@ -181,27 +182,26 @@ def _run_once(config: Config, plan: TrialPlan) -> _Run:
         loader = config.build()
         batches = _endless(loader)
         try:
-            warmup, timed = plan.counts(config)
-            prints, ready = _warm_up(batches, plan, warmup,
-                                     config.key == BASELINE and plan.prefetched > 0)
+            shape = plan.shape(config, loader)
+            prints, ready = _warm_up(batches, plan, shape,
+                                     config.key == BASELINE and shape.prefetched > 0)
             samples = 0
             start = time.perf_counter()  # the last warm-up batch has just arrived
-            for count in range(1, timed + 1):
+            for count in range(1, shape.timed + 1):
                 batch = plan.consume(next(batches))
                 prints.append(fingerprint(batch))
                 samples += batch_length(batch, auto_collation)
-                if (not config.epochs and count % plan.rounds == 0
+                if (not config.epochs and count % shape.rounds == 0
                         and time.perf_counter() - start > plan.seconds):
                     break
             if plan.device is not None and plan.device.type == "cuda":
                 torch.cuda.synchronize(plan.device)
             elapsed = time.perf_counter() - start
-            settled = config.settled(loader) if config.settled is not None else ""
         finally:
             batches.close()  # ends the epoch's iterator: its workers stop
             del batches, loader
             gc.collect()
-    return _Run(samples / elapsed, resolve(prints), ready, settled)
+    return _Run(samples / elapsed, resolve(prints), ready)
 
 
 def _same(runs: list[_Run], baseline: list[_Run]) -> bool | None:
@@ -240,13 +240,32 @@ def run_trials(configs: list[Config], plan: TrialPlan, desc: str = "fastfeed doc
                                   errors[config.key]))
             continue
         done, against = runs[config.key], runs.get(config.against, [])
-        note = "; ".join(text for text in (config.note, done[-1].settled) if text)
         base = rates.get(config.against, 0.0)
         results.append(Result(config.key, config.change, rates[config.key],
                               [run.rate for run in done],
                               rates[config.key] / base if base else 0.0,
-                              _same(done, against) if against else None, note))
+                              _same(done, against) if against else None, config.note))
     return results
+
+
+def settle_workers(plan: TrialPlan) -> int:
+    """The worker count ``num_workers="auto"`` settles on over the script's data: a FastLoader
+    with it, iterated (untimed) for ``plan.seconds`` or four times ``plan.batches``."""
+    plan.spec.reset_random()
+    loader = plan.spec.build(fast=True, num_workers="auto")
+    assert isinstance(loader, FastLoader)
+    batches = _endless(loader)
+    try:
+        deadline = time.perf_counter() + plan.seconds
+        for _ in range(4 * plan.batches):
+            plan.consume(next(batches))
+            if time.perf_counter() > deadline:
+                break
+        return loader.stats().workers
+    finally:
+        batches.close()
+        del batches
+        gc.collect()
 
 
 def ready_ms(plan: TrialPlan) -> float | None:
