@@ -170,7 +170,7 @@ def _split(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return high, a - high
 
 
-def _two_sum(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _two_sum(a: torch.Tensor | float, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     # Knuth: a + b == total + error exactly.
     total = a + b
     b_part = total - a
@@ -200,7 +200,9 @@ def fma_float32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | float) -> to
     rounding lands exactly half-way between two float32s.
     """
     a, b = a.to(torch.float32), b.to(torch.float32)
-    c = torch.as_tensor(c, dtype=torch.float32, device=a.device)
+    # A Python number stays one (rounded to float32 here): made a tensor on a GPU, it would
+    # be a blocking host-to-device copy on every call.
+    c = c.to(torch.float32) if isinstance(c, torch.Tensor) else float(np.float32(c))
     product = a * b
     a_high, a_low = _split(a)
     b_high, b_low = _split(b)
