@@ -22,6 +22,7 @@ import contextlib
 import gc
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -178,7 +179,10 @@ def _warm_up(batches: Iterator[Any], plan: TrialPlan, shape: _Shape, ready: bool
 def _run_once(config: Config, plan: TrialPlan) -> _Run:
     plan.spec.reset_random()
     auto_collation = plan.spec.batch_size is not None
-    with config.context():
+    # The doctor's own loaders: torch's warning that more workers than cores may be slow is
+    # what the runs measure, not news to the user.
+    with config.context(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
         loader = config.build()
         batches = _endless(loader)
         try:
