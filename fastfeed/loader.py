@@ -12,7 +12,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from fastfeed._torch_compat import is_datapipe, is_iterable_dataset
+from fastfeed.arguments import check_arguments
 from fastfeed.autotune import WorkerTuner, initial_workers
+from fastfeed.cluster.options import cluster_workers
 from fastfeed.device import (
     Copier,
     DeviceIterator,
@@ -46,10 +48,6 @@ def _summary(loader_ref: weakref.ref[FastLoader]) -> str:
 def _chain(first: Callable[[Any], Any], then: Callable[[Any], Any] | None
            ) -> Callable[[Any], Any]:
     return first if then is None else lambda batch: then(first(batch))
-
-
-def _is_int(value: Any, minimum: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
 
 
 class FastLoader(DataLoader):
@@ -96,8 +94,15 @@ class FastLoader(DataLoader):
             does change, so per-worker random streams do too: use ``deterministic=True``.
         worker_mode (str): ``"process"`` (default), ``"thread"`` (no IPC or pickling: wins
             when ``__getitem__`` releases the GIL, as PIL decode and numpy do; map-style only;
-            threads share the global RNGs and :func:`fastfeed.worker_info` describes them) or
-            ``"auto"`` (one epoch of each, then the faster).
+            threads share the global RNGs and :func:`fastfeed.worker_info` describes them),
+            ``"auto"`` (one epoch of each, then the faster) or ``"ray"`` (Ray actors on the
+            cluster this process is connected to with ``ray.init``: the same batches, and a
+            lost node's tasks run again on a new actor; see ``docs/cluster.md``).
+        ray_options (dict, optional): with ``worker_mode="ray"``, where each actor goes and
+            what it takes, as Ray's ``.options()``: ``num_cpus`` (default ``1``),
+            ``resources`` (for example ``{"cpu_node": 1}``), ``num_gpus``, ``memory``,
+            ``scheduling_strategy``, ``label_selector``, ``runtime_env``. With
+            ``num_workers="auto"``, workers grow into the cluster's free resources.
         deterministic (bool): reseed ``torch``, ``random`` and ``numpy`` before every sample
             from ``(base seed, epoch, index)``, so that a sample's augmentation does not depend
             on which worker reads it: reproducible under auto-tuning and across resumes.
@@ -136,35 +141,21 @@ class FastLoader(DataLoader):
         prefetch_depth: int = 2,
         gpu_transform: Callable[[Any], Any] | None = None,
         worker_mode: str = "process",
+        ray_options: dict[str, Any] | None = None,
         deterministic: bool = False,
         log_every: int | None = None,
     ) -> None:
+        actors = check_arguments(
+            dataset=dataset, worker_mode=worker_mode, ray_options=ray_options,
+            deterministic=deterministic, log_every=log_every, ring_slots=ring_slots,
+            prefetch_depth=prefetch_depth, gpu_transform=gpu_transform, device=device)
         self.autotune = num_workers == "auto"
-        if self.autotune:
-            num_workers, self._max_workers = initial_workers()
+        if self.autotune:  # Ray actors: the cluster's free resources, not these cores
+            num_workers, self._max_workers = (
+                initial_workers() if actors is None else cluster_workers(actors))
         elif isinstance(num_workers, str):  # a TypeError, as torch's comparison with 0 raises
             raise TypeError(
                 f"num_workers should be a non-negative int or 'auto', got {num_workers!r}")
-        if worker_mode not in ("process", "thread", "auto"):
-            raise ValueError(
-                f"worker_mode should be 'process', 'thread' or 'auto', got {worker_mode!r}")
-        iterable = is_iterable_dataset(dataset)
-        if worker_mode == "thread" and iterable:
-            raise ValueError("worker_mode='thread' needs a map-style dataset: IterableDataset "
-                             "replicas shard by get_worker_info(), which threads cannot give")
-        if worker_mode == "thread" and deterministic:
-            raise ValueError("deterministic=True reseeds the global RNGs per sample, which "
-                             "threads share: use worker_mode='process'")
-        if log_every is not None and not _is_int(log_every, minimum=1):
-            raise ValueError(f"log_every should be None or a positive int, got {log_every!r}")
-        if ring_slots is not None and not _is_int(ring_slots, minimum=0):
-            raise ValueError(f"ring_slots should be None or a non-negative int, got {ring_slots!r}")
-        if not _is_int(prefetch_depth, minimum=1):
-            raise ValueError(f"prefetch_depth should be a positive int, got {prefetch_depth!r}")
-        if gpu_transform is not None and not callable(gpu_transform):
-            raise TypeError(f"gpu_transform should be callable, got {type(gpu_transform).__name__}")
-        if gpu_transform is not None and device is None:
-            raise ValueError("gpu_transform runs on the device: pass device='cuda' (or 'cpu')")
         self.ring_slots = ring_slots
         # Which GPU a bare "cuda" means is decided at the first iteration, when the training
         # script has set up its device (torch.cuda.set_device, a launcher's environment).
@@ -172,6 +163,7 @@ class FastLoader(DataLoader):
         self.prefetch_depth = prefetch_depth
         self.gpu_transform = gpu_transform
         self.worker_mode = worker_mode
+        self.ray_options = ray_options
         self.deterministic = deterministic
         self.log_every = log_every
         self._init_runtime()
@@ -276,7 +268,7 @@ class FastLoader(DataLoader):
         """The loader's ring, made on first use and kept across epochs (page-locking is slow
         and synchronising). Its slots are page-locked only when fastfeed owns every copy out
         of them (``device="cuda"``): a slot the user copies from must not be (invariant 2)."""
-        if worker_mode != "process" or self.ring_slots == 0 or not ring_supported():
+        if worker_mode not in ("process", "ray") or self.ring_slots == 0 or not ring_supported():
             return None
         if self._ring is None:
             pin = None
@@ -300,6 +292,7 @@ class FastLoader(DataLoader):
             telemetry=self._telemetry,
             carry_over=self._carry_over,
             worker_mode=worker_mode,
+            ray_options=self.ray_options,
             tuner=tuner,
             ring=self._ring_for(worker_mode),
             pin_batches=self.pin_memory and self.device is None and torch.cuda.is_available(),
@@ -395,6 +388,6 @@ class FastLoader(DataLoader):
         setup = self._iterator_setup()
         if self.num_workers == 0:
             return SingleProcessIterator(self, setup)
-        if not self.autotune:  # "auto" goes past the cores only when that measured faster
+        if not self.autotune and self.worker_mode != "ray":  # ray: the cluster's cores
             self.check_worker_number_rationality()
         return WorkerPoolIterator(self, setup)

@@ -1,4 +1,5 @@
-"""Where workers run: processes (the default; batches cross through the ring) or threads.
+"""Where workers run: processes (the default; batches cross through the ring), threads, or
+Ray actors on a cluster (:mod:`fastfeed.iterators.ray_backend`).
 
 A backend starts workers and owns what they share with the main process: the result queue,
 the shutdown flag and, for processes, each worker's task queue and control pipe, over which
@@ -46,7 +47,7 @@ _PICKLE_ERROR = (
 @dataclass
 class WorkerHandle:
     worker_id: int
-    runner: Any  # multiprocessing.Process or threading.Thread
+    runner: Any  # multiprocessing.Process, threading.Thread or ray_backend.RemoteWorker
     task_queue: Any
     control: Any = None  # the main side of a process worker's control pipe
 
@@ -246,7 +247,14 @@ def _exited(process: Any) -> bool:
     return False
 
 
-def make_backend(mode: str, multiprocessing_context: Any) -> ProcessBackend | ThreadBackend:
+def make_backend(mode: str, multiprocessing_context: Any,
+                 ray_options: dict[str, Any] | None = None) -> Any:
+    """The backend for ``worker_mode`` ``mode`` (``"process"``, ``"thread"`` or ``"ray"``)."""
     if mode == "thread":
         return ThreadBackend()
+    if mode == "ray":
+        # Imported here: Ray's backend builds on this module's WorkerHandle.
+        from fastfeed.iterators.ray_backend import RayBackend
+
+        return RayBackend(ray_options)
     return ProcessBackend(multiprocessing_context or torch.multiprocessing)

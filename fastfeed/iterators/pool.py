@@ -64,8 +64,9 @@ class WorkerPoolIterator(BaseIterator):
         self._in_order = loader.in_order
         self._epoch = 0
         self._book = TaskBook()
-        backend = make_backend(setup.worker_mode, loader.multiprocessing_context)
-        self.ring = setup.ring if backend.kind == "process" else None
+        backend = make_backend(setup.worker_mode, loader.multiprocessing_context,
+                               setup.ray_options)
+        self.ring = setup.ring  # the loader gives one to the backends whose batches use it
         self._crew = WorkerCrew(backend, self._book, self.ring, self._timeout)
         self._workers = self._crew.table
         self._telemetry.worker_mode = backend.kind

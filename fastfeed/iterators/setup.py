@@ -41,7 +41,8 @@ class IteratorSetup:
 
     telemetry: Telemetry
     carry_over: CarryOver
-    worker_mode: str = "process"  # "process" or "thread" ("auto" is resolved by the loader)
+    worker_mode: str = "process"  # "process", "thread" or "ray" ("auto" is resolved first)
+    ray_options: dict[str, Any] | None = None  # where Ray actors go (worker_mode="ray")
     tuner: WorkerTuner | None = None
     ring: SlotRing | None = None  # the loader's ring, for process workers
     pin_batches: bool = False  # pin_memory=True: copy batches into torch's pinned memory

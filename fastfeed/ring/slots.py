@@ -252,6 +252,14 @@ class SlotRing:
                                          "was read")
             return self._lease(slot)
 
+    def assigned_memory(self, slot_id: int) -> np.ndarray:
+        """The memory of slot ``slot_id``, assigned to a task whose batch this process writes
+        itself (workers on a cluster send theirs through Ray's object store)."""
+        with self._lock:
+            slot = self._slots[slot_id]
+            assert slot.state is _State.ASSIGNED, slot
+            return slot.memory
+
     def adopt(self, fd: int) -> tuple[Lease, list[_Slot]]:
         """Lease the slot a worker made for a batch sent without a ticket (see
         :meth:`fastfeed.ring.Arena.private`); ``fd`` is owned from now on.

@@ -1,0 +1,94 @@
+"""One DataLoader worker as a Ray actor: the worker side of ``worker_mode="ray"``.
+
+The actor hosts the very loop a worker process runs (:func:`fastfeed.worker.worker_loop`), on
+a thread of its own fed through in-process queues, so seeding, ``get_worker_info()``,
+``worker_init_fn``, errors, IterableDataset exhaustion and persistent epochs cannot drift
+from a local worker's. Each actor call hands the loop one message and returns its reply, with
+the batch made ready for Ray's object store (:mod:`fastfeed.cluster.wire`). Ray runs an
+actor's calls one at a time, in the order they were submitted: the protocol's order.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import replace
+from types import SimpleNamespace
+from typing import Any
+
+from torch._utils import ExceptionWrapper
+
+from fastfeed.cluster.wire import ship
+from fastfeed.protocol import (
+    Answer,
+    EpochStarted,
+    Failed,
+    Produced,
+    ReplicaEnded,
+    StartEpoch,
+    Task,
+    WorkerConfig,
+)
+from fastfeed.worker import worker_loop
+
+__all__ = ["RayWorker"]
+
+# How often a call waiting on the loop checks that the loop is still there.
+_LOOP_CHECK_S = 1.0
+
+
+class RayWorker:
+    """A worker on the cluster (made a Ray actor by the backend; no Ray import here).
+
+    Args:
+        config: the worker's configuration, without its dataset.
+        dataset: the dataset, which the backend puts in the object store once for all
+            workers; Ray resolves it before the actor starts.
+    """
+
+    def __init__(self, config: WorkerConfig, dataset: Any) -> None:
+        from ray import cloudpickle  # in an actor, Ray is there
+
+        self._pickler = cloudpickle.CloudPickler
+        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self._replies: queue.SimpleQueue = queue.SimpleQueue()
+        self._replica_ended = False
+        self._loop = threading.Thread(
+            target=worker_loop,
+            # Never shutting down: the backend ends the actor itself.
+            args=(replace(config, dataset=dataset), self._tasks, self._replies,
+                  SimpleNamespace(value=False), None),
+            name=f"fastfeed-worker-{config.worker_id}", daemon=True)
+        self._loop.start()
+
+    def run(self, message: Task | StartEpoch) -> Answer | EpochStarted | None:
+        """The loop's reply to ``message``; None for a task queued behind the end of the
+        worker's IterableDataset replica, which the loop skips (the main process has
+        cancelled it)."""
+        if isinstance(message, Task) and self._replica_ended:
+            return None
+        self._tasks.put(message)
+        reply = self._reply()
+        if isinstance(reply, EpochStarted):
+            self._replica_ended = False
+        elif isinstance(reply.outcome, ReplicaEnded):
+            self._replica_ended = True
+        elif isinstance(reply.outcome, Produced):
+            reply = Answer(reply.seq, self._shipped(reply.outcome))
+        return reply
+
+    def _reply(self) -> Any:
+        while True:
+            try:
+                return self._replies.get(timeout=_LOOP_CHECK_S)
+            except queue.Empty:
+                if not self._loop.is_alive():
+                    raise RuntimeError("the worker loop ended") from None
+
+    def _shipped(self, produced: Produced) -> Produced | Failed:
+        try:
+            return replace(produced, batch=ship(produced.batch, self._pickler))
+        except Exception:
+            # As a batch a worker process cannot encode: raised in the batch's turn.
+            return Failed(ExceptionWrapper(where="in a DataLoader worker on Ray, pickling "
+                                                 "its batch"))

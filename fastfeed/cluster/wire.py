@@ -1,0 +1,127 @@
+"""A batch as it crosses Ray's object store: its structure pickled, its memory out of band.
+
+A worker process hands its batch over in a ring slot or, failing that, in torch's shared
+memory, by file descriptor; neither reaches another machine. An actor's batch travels as
+:class:`Shipped` instead: the batch pickled (protocol 5) with each plain tensor replaced by a
+descriptor of its storage, and each storage (and each contiguous numpy array) as an
+out-of-band buffer, which Ray writes into its object store once and never pickles.
+
+The main process rebuilds the batch over those buffers: read-only views of the object store,
+no copy, alive only until the codec has copied the batch into a ring slot. Views keep their
+storage, as torch's own pickling keeps it: ``(x, x[0])`` arrives as two tensors over one
+storage, so the codec places them as it places a worker process's.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from fastfeed._copy import bytes_are_values
+from fastfeed.ring.memory import ALIGN
+
+__all__ = ["Shipped", "ship", "unship"]
+
+
+@dataclass(frozen=True)
+class Shipped:
+    """A batch ready for the object store.
+
+    Attributes:
+        payload: the pickled structure.
+        buffers: the memory of its storages and arrays, out of band (``PickleBuffer`` on the
+            actor, views of the object store once Ray has moved them).
+        nbytes: at least the bytes the batch takes in a ring slot: its buffers, each aligned
+            as the codec aligns what it places.
+    """
+
+    payload: bytes
+    buffers: tuple[Any, ...]
+    nbytes: int
+
+
+class _StorageIds:
+    """The ``persistent_id`` of a shipping pickler: each plain tensor as ``(storage bytes,
+    offset, shape, stride, dtype)``, with one uint8 array per storage, which protocol 5 hands
+    to the pickler's ``buffer_callback``."""
+
+    def __init__(self) -> None:
+        self._storages: dict[tuple[int, int], np.ndarray] = {}
+        # id -> (tensor, its descriptor): the same tensor twice is one descriptor object, which
+        # pickle's memo then writes once, and the unpickler rebuilds once.
+        self._seen: dict[int, tuple[torch.Tensor, tuple]] = {}
+
+    @property
+    def tensors(self) -> int:
+        return len(self._seen)
+
+    def persistent_id(self, obj: Any) -> Any:
+        if not bytes_are_values(obj):
+            return None
+        seen = self._seen.get(id(obj))
+        if seen is not None:
+            return seen[1]
+        storage = obj.untyped_storage()
+        key = (storage.data_ptr(), storage.nbytes())
+        memory = self._storages.get(key)
+        if memory is None:
+            memory = torch.empty(0, dtype=torch.uint8).set_(storage).numpy()
+            self._storages[key] = memory
+        pid = (memory, obj.storage_offset(), tuple(obj.shape), tuple(obj.stride()), obj.dtype)
+        self._seen[id(obj)] = (obj, pid)
+        return pid
+
+
+class _ShipUnpickler(pickle.Unpickler):
+    def __init__(self, file: io.BytesIO, buffers: tuple[Any, ...]) -> None:
+        super().__init__(file, buffers=buffers)
+        self._storages: dict[int, torch.Tensor] = {}  # id(storage bytes) -> a uint8 tensor
+        self._rebuilt: dict[int, torch.Tensor] = {}  # id(descriptor) -> tensor
+
+    def persistent_load(self, pid: Any) -> Any:
+        tensor = self._rebuilt.get(id(pid))
+        if tensor is None:
+            memory, offset, shape, stride, dtype = pid
+            raw = self._storage(memory)
+            raw = raw[: raw.numel() - raw.numel() % dtype.itemsize].view(dtype)
+            tensor = self._rebuilt[id(pid)] = torch.as_strided(raw, shape, stride, offset)
+        return tensor
+
+    def _storage(self, memory: np.ndarray) -> torch.Tensor:
+        raw = self._storages.get(id(memory))
+        if raw is None:
+            with warnings.catch_warnings():
+                # The object store's memory is read-only; these tensors are only read (copied
+                # into a slot), and torch's warning would tell the user otherwise, once.
+                warnings.filterwarnings("ignore", "The given NumPy array is not writable")
+                raw = self._storages[id(memory)] = torch.from_numpy(memory)
+        return raw
+
+
+def ship(batch: Any, pickler: type[pickle.Pickler] = pickle.Pickler) -> Shipped:
+    """Actor side: ``batch`` as a :class:`Shipped`, without copying its memory.
+
+    Args:
+        pickler: the pickler of the structure; an actor passes Ray's cloudpickle, which
+            pickles by value what the training script defined in ``__main__`` (a batch's
+            namedtuple, say), as Ray pickled the dataset.
+    """
+    file = io.BytesIO()
+    buffers: list[pickle.PickleBuffer] = []
+    ids = _StorageIds()
+    writer = pickler(file, protocol=5, buffer_callback=buffers.append)
+    writer.persistent_id = ids.persistent_id  # type: ignore[method-assign]
+    writer.dump(batch)
+    nbytes = sum(memoryview(b).nbytes for b in buffers) + ALIGN * (len(buffers) + ids.tensors)
+    return Shipped(file.getvalue(), tuple(buffers), nbytes)
+
+
+def unship(shipped: Shipped) -> Any:
+    """Main side: the batch, its tensors and arrays views of ``shipped.buffers``."""
+    return _ShipUnpickler(io.BytesIO(shipped.payload), shipped.buffers).load()
