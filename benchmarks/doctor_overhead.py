@@ -1,17 +1,21 @@
 """What ``fastfeed doctor``'s probe costs the loader it watches, in the same run.
 
-The probe (``fastfeed/doctor/probe.py``) is all the doctor adds to a training step: it wraps
-each loader's iterator and times every ``next()``; the per-sample profile and the loader-alone
-runs happen after the script has stopped. Here each loader is iterated with no model, probe
-off and probe on in back-to-back pairs (the probe first in every other pair), ``--batches``
-batches a run; the probe's cost is one minus the median of the pairs' throughput ratios (a
-shared machine's load drifts between pairs far more than within one). Loaders: torch's DataLoader
-and FastLoader, 2 workers, batches of 64 uint8 3×224×224 images (16 made once and cycled:
-cheap to index, so that the loader, not a dataset, sets the pace, which is where a per-batch
-cost shows most). A last line gives the probe's own cost per ``next()`` on a loader without
-workers over a list (a diagnostic: microseconds, not a share).
+The probe (``fastfeed/doctor/probe.py``) is all the doctor adds to a training step: it times
+every ``next()`` of the script's loaders (the per-sample profile and the loader-alone runs
+happen after the script has stopped). Here one iterator of each loader is drawn from in chunks
+of ``--chunk`` batches, alternately through the probe (``Probe.watch``, what the doctor gives
+the script) and directly, with no model: the same workers, the same ring, the same moment of a
+shared machine's load, so that its drift cancels between neighbouring chunks. The probe's
+cost in throughput is one minus the ratio of the samples/s of the two kinds of chunk, the
+median over ``--pairs`` pairs of chunks. On a busy machine that ratio scatters by several
+percent either way, so the table also gives the probe's own time per batch, measured apart
+(the same batch drawn from a list through the probe and directly, 100,000 times), as a share
+of a batch's time at the plain throughput: the most it can cost, where the main thread sets
+the pace. Loaders: torch's DataLoader and FastLoader, 2 workers, batches of
+64 uint8 3×224×224 images (16 made once and cycled: cheap to index, so the loader itself sets
+the pace, where a per-batch cost shows most).
 
-    python benchmarks/doctor_overhead.py --repeats 15 --batches 300 [--json out.json]
+    python benchmarks/doctor_overhead.py --pairs 100 --chunk 10 [--json out.json]
 """
 
 from __future__ import annotations
@@ -21,8 +25,9 @@ import json
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -31,6 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fastfeed import FastLoader
 from fastfeed.doctor.probe import Probe, Window
 from fastfeed.progress import progress
+
+NEVER_CLOSES = Window(warmup=0, batches=10**9, seconds=float("inf"))
 
 
 class Images(Dataset):
@@ -52,76 +59,75 @@ LOADERS: dict[str, Callable[[], DataLoader]] = {
 }
 
 
-def rate(build: Callable[[], DataLoader], batches: int, probed: bool, warmup: int = 10) -> float:
-    """Samples/s over ``batches`` batches after ``warmup``, with or without the probe."""
-    probe = Probe(Window(warmup=0, batches=10**9, seconds=float("inf")))
-    if probed:
-        probe.install()
-    try:
-        iterator = iter(build())
-        for _ in range(warmup):
-            next(iterator)
+def _chunk_rate(batches: Iterator[Any], count: int) -> float:
+    start = time.perf_counter()
+    samples = sum(len(next(batches)[1]) for _ in range(count))
+    return samples / (time.perf_counter() - start)
+
+
+def paired_rates(build: Callable[[], DataLoader], pairs: int, chunk: int
+                 ) -> list[tuple[float, float]]:
+    """``(plain, probed)`` samples/s of neighbouring chunks of one iterator, the probe first in
+    every other pair."""
+    loader = build()
+    plain = iter(loader)
+    probed = Probe(NEVER_CLOSES).watch(loader, plain)
+    _chunk_rate(plain, 2 * chunk)  # workers started, queues full
+    rates = []
+    for pair in range(pairs):
+        first, second = (plain, probed) if pair % 2 == 0 else (probed, plain)
+        a, b = _chunk_rate(first, chunk), _chunk_rate(second, chunk)
+        rates.append((a, b) if pair % 2 == 0 else (b, a))
+    del probed, plain
+    return rates
+
+
+def probe_us(batches: int = 100_000) -> float:
+    """The probe's own time per ``next()``: the same batch (64 images and their labels) drawn
+    from a list, through the probe and directly; median of 5 differences, microseconds."""
+    loader = DataLoader(Images(), batch_size=64)  # what the probe reads of it: batching on
+    batch = (torch.zeros(64, 3, 224, 224, dtype=torch.uint8), torch.zeros(64, dtype=torch.long))
+    items = [batch] * batches
+
+    def seconds(iterator: Iterator[Any]) -> float:
         start = time.perf_counter()
-        samples = sum(len(next(iterator)[1]) for _ in range(batches))
-        elapsed = time.perf_counter() - start
-        del iterator
-    finally:
-        probe.uninstall()
-    return samples / elapsed
+        for _ in iterator:
+            pass
+        return time.perf_counter() - start
 
-
-def per_next_us(batches: int = 100_000) -> tuple[float, float]:
-    """Microseconds per ``next()`` over a list, without and with the probe (medians of 5)."""
-    def once(probed: bool) -> float:
-        loader = DataLoader(list(range(batches)), batch_size=None)
-        probe = Probe(Window(warmup=0, batches=10**9, seconds=float("inf")))
-        if probed:
-            probe.install()
-        try:
-            start = time.perf_counter()
-            for _ in loader:
-                pass
-            return (time.perf_counter() - start) / batches * 1e6
-        finally:
-            probe.uninstall()
-
-    runs = [(once(False), once(True)) for _ in range(5)]
-    return statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
+    added = [seconds(Probe(NEVER_CLOSES).watch(loader, iter(items))) - seconds(iter(items))
+             for _ in range(5)]
+    return statistics.median(added) / batches * 1e6
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--batches", type=int, default=300)
+    parser.add_argument("--pairs", type=int, default=100)
+    parser.add_argument("--chunk", type=int, default=10, help="batches per chunk")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
-    # Pairs, back to back (probe first in every other pair): a shared machine's load drifts
-    # over a minute, much less between the two runs of a pair, so each pair gives a ratio.
-    jobs = [(name, r) for r in range(args.repeats) for name in LOADERS]
-    runs: dict[str, list[tuple[float, float]]] = {name: [] for name in LOADERS}
-    for name, r in progress(jobs, total=len(jobs), desc="doctor overhead"):
-        first, second = (rate(LOADERS[name], args.batches, probed) for probed in (r % 2, 1 - r % 2))
-        runs[name].append((first, second) if r % 2 == 0 else (second, first))
-    print(f"| loader | samples/s, plain | samples/s, probed | probe's cost (median of the "
-          f"{args.repeats} pairs' ratios) | ratios' interquartile range |")
-    print("|---|---|---|---|---|")
-    results = {}
-    for name, pairs in runs.items():
+    results: dict[str, Any] = {}
+    cost_us = probe_us()
+    for name in progress(LOADERS, total=len(LOADERS), desc="doctor overhead"):
+        pairs = paired_rates(LOADERS[name], args.pairs, args.chunk)
         ratios = sorted(probed / plain for plain, probed in pairs)
-        quartiles = statistics.quantiles(ratios, n=4)
-        results[name] = {"plain": statistics.median(p for p, _ in pairs),
-                         "probed": statistics.median(q for _, q in pairs),
+        plain = statistics.median(p for p, _ in pairs)
+        results[name] = {"plain": plain, "probed": statistics.median(q for _, q in pairs),
                          "cost_percent": 100 * (1 - statistics.median(ratios)),
-                         "ratios": ratios}
-        print(f"| {name} | {results[name]['plain']:,.0f} | {results[name]['probed']:,.0f} | "
-              f"{results[name]['cost_percent']:+.2f} % | {quartiles[0]:.3f}–{quartiles[2]:.3f} |")
-    bare, probed_us = per_next_us()
-    print(f"diagnostic: next() over a list without workers, {bare:.2f} µs plain, "
-          f"{probed_us:.2f} µs probed: {probed_us - bare:.2f} µs per batch")
+                         "ratio_quartiles": statistics.quantiles(ratios, n=4),
+                         "probe_share_percent": 100 * cost_us * 1e-6 * plain / 64,
+                         "pairs": pairs}
+    print(f"| loader | samples/s, plain | samples/s, probed | throughput cost (median of "
+          f"{args.pairs} pairs of {args.chunk}-batch chunks; ratios' quartiles) | the probe's "
+          f"{cost_us:.1f} µs per batch, as a share of a batch's time |")
+    print("|---|---|---|---|---|")
+    for name, r in results.items():
+        low, _, high = r["ratio_quartiles"]
+        print(f"| {name} | {r['plain']:,.0f} | {r['probed']:,.0f} | {r['cost_percent']:+.2f} % "
+              f"({low:.3f}–{high:.3f}) | {r['probe_share_percent']:.2f} % |")
     if args.json is not None:
-        args.json.write_text(json.dumps({"loaders": results,
-                                         "per_next_us": {"plain": bare, "probed": probed_us}},
+        args.json.write_text(json.dumps({"loaders": results, "probe_us_per_batch": cost_us},
                                         indent=2))
 
 

@@ -33,8 +33,9 @@ class Stage:
 
 @dataclass
 class Option:
-    """A configuration measured loader-alone: the line to paste, its median samples/s, its
-    speed-up over the script's loader and whether it kept the batches (``None``: unknown)."""
+    """A configuration measured loader-alone: the line to paste, its median samples/s (of
+    ``rates``, one per repeat), its speed-up over the script's loader and whether it kept the
+    batches (``None``: unknown)."""
 
     change: str
     speedup: float
@@ -42,6 +43,7 @@ class Option:
     samples_per_s: float
     key: str = ""
     note: str = ""
+    rates: list[float] = field(default_factory=list)
 
 
 @dataclass

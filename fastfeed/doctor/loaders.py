@@ -28,8 +28,11 @@ from fastfeed.loader import FastLoader
 __all__ = ["LoaderSpec"]
 
 _DATALOADER_ARGS = frozenset(inspect.signature(DataLoader.__init__).parameters)
-_FAST_OPTIONS = ("device", "prefetch_depth", "gpu_transform", "worker_mode", "deterministic",
-                 "ring_slots")
+# FastLoader's own keywords, with their defaults, as its signature has them (so a new option
+# is rebuilt too); log_every is left out: the doctor's runs must not log.
+_FAST_OPTIONS = {name: parameter.default
+                 for name, parameter in inspect.signature(FastLoader.__init__).parameters.items()
+                 if name not in _DATALOADER_ARGS and name != "log_every"}
 
 
 def _generators(loader: DataLoader) -> list[torch.Generator]:
@@ -93,7 +96,8 @@ class LoaderSpec:
         options: dict[str, Any] = {}
         fast = isinstance(loader, FastLoader)
         if isinstance(loader, FastLoader):
-            options = {name: getattr(loader, name) for name in _FAST_OPTIONS}
+            options = {name: getattr(loader, name, default)
+                       for name, default in _FAST_OPTIONS.items()}
             if loader.autotune:
                 arguments["num_workers"] = "auto"
         try:
@@ -125,6 +129,11 @@ class LoaderSpec:
     @property
     def workers(self) -> int | str:
         return self.arguments["num_workers"]
+
+    def set_options(self) -> dict[str, Any]:
+        """The FastLoader options the script set (those not at their defaults)."""
+        return {name: value for name, value in self.options.items()
+                if value is not _FAST_OPTIONS[name] and value != _FAST_OPTIONS[name]}
 
     def build(self, fast: bool | None = None, dataset: Any = None, **changes: Any
               ) -> DataLoader:

@@ -118,8 +118,7 @@ def _loader(captured: Captured) -> dict[str, Any]:
             "pin_memory": spec.arguments["pin_memory"],
             "persistent_workers": spec.arguments["persistent_workers"],
             "batches_per_epoch": spec.length,
-            **{name: repr(value) for name, value in spec.options.items()
-               if value not in (None, False)}}
+            **{name: repr(value) for name, value in spec.set_options().items()}}
 
 
 def _measure_options(spec: LoaderSpec, stages: list[StageCost], plan: TrialPlan,
@@ -132,13 +131,18 @@ def _measure_options(spec: LoaderSpec, stages: list[StageCost], plan: TrialPlan,
         ceiling = run_trials([yours(spec)], plan)
         if ceiling[0].error or not judge(stall, consumer, ceiling[0].samples_per_s).loader_helps:
             return ceiling, []
-    settled = None
+    settled, unsettled = None, []
     if workers_settle(spec):
         _progress(f'letting num_workers="auto" settle on your data (up to '
                   f"{settings.trial_seconds:g} s)")
-        settled = settle_workers(plan)
+        try:
+            settled = settle_workers(plan)
+        except Exception as error:  # as a failed run of an option: said, never fatal
+            unsettled = [Unmeasured('num_workers="auto"',
+                                    f"its run failed: {type(error).__name__}: {error}")]
     configs, unmeasured = configurations(spec, stages, plan.device, startup_share,
                                          settings.trial_batches, settled)
+    unmeasured += unsettled
     _progress(f"measuring {len(configs)} loader configurations × {plan.repeats} repeats, "
               "alternated")
     return run_trials(configs, plan), unmeasured
@@ -207,8 +211,8 @@ def _offer(diagnosis: Diagnosis, results: list[Result], unmeasured: list[Unmeasu
            loader_helps: bool) -> None:
     """The options measured, the recommended ones, and what could not be measured; only the
     script's loader's ceiling when the loader is not the bottleneck."""
-    options = [Option(r.change, r.speedup, r.same_batches, r.samples_per_s, r.key, r.note)
-               for r in results if not r.error and (r.key == BASELINE or r.change)]
+    options = [Option(r.change, r.speedup, r.same_batches, r.samples_per_s, r.key, r.note,
+                      r.rates) for r in results if not r.error and (r.key == BASELINE or r.change)]
     failed = [Unmeasured(r.change or "your loader, rebuilt", f"its run failed: {r.error}")
               for r in results if r.error]
     if not loader_helps:

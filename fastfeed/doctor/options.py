@@ -137,6 +137,8 @@ def _gpu(spec: LoaderSpec, device: torch.device | None) -> tuple[list[Config], l
     if device is None:
         return [], ([] if torch.cuda.is_available() else [
             Unmeasured('device="cuda", pin_memory=True', "no GPU on this machine")])
+    if spec.options.get("device") is not None:  # a FastLoader that delivers there already
+        return [], []
     configs = [Config("device", f'FastLoader(..., device="{device.type}")',
                       lambda: spec.build(fast=True, device=str(device)))]
     if not spec.arguments["pin_memory"]:

@@ -184,16 +184,22 @@ class Probe:
                 probe._wrap_classes(type(loader))
                 return original(loader)
             start = time.perf_counter()
-            inner = original(loader)
-            trace = probe._trace(loader)
-            if trace.first_iter_at is None:
-                trace.first_iter_at = start
-            trace.pending_wait += time.perf_counter() - start
-            return _TimedIterator(inner, trace, probe)
+            return probe.watch(loader, original(loader), since=start)
 
         __iter__.__qualname__ = f"{cls.__qualname__}.__iter__"
         __iter__.__doc__ = original.__doc__
         return __iter__
+
+    def watch(self, loader: DataLoader, iterator: Iterator[Any], since: float | None = None
+              ) -> Iterator[Any]:
+        """``iterator`` (of ``loader``) with every ``next()`` timed; ``since``: when the script
+        asked ``loader`` for it (the time to make it counts as waiting)."""
+        trace = self._trace(loader)
+        if since is not None:
+            if trace.first_iter_at is None:
+                trace.first_iter_at = since
+            trace.pending_wait += time.perf_counter() - since
+        return _TimedIterator(iterator, trace, self)
 
     def _trace(self, loader: DataLoader) -> LoaderTrace:
         trace = self._by_loader.get(loader)
