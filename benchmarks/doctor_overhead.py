@@ -105,10 +105,12 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pairs", type=int, default=100)
     parser.add_argument("--chunk", type=int, default=10, help="batches per chunk")
+    parser.add_argument("--apart", type=int, default=100_000,
+                        help="batches for the probe's own time, measured apart")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     results: dict[str, Any] = {}
-    cost_us = probe_us()
+    cost_us = probe_us(args.apart)
     for name in progress(LOADERS, total=len(LOADERS), desc="doctor overhead"):
         pairs = paired_rates(LOADERS[name], args.pairs, args.chunk)
         ratios = sorted(probed / plain for plain, probed in pairs)

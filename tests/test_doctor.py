@@ -383,3 +383,15 @@ def test_a_missing_script_is_one_line(capfd):
     code, _, err = doctor_here(capfd, "no/such/train.py")
     assert code == 2
     assert err.strip() == "fastfeed doctor: error: no/such/train.py: no such file"
+
+
+def test_overhead_benchmark_runs(tmp_path):
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, str(root / "benchmarks" / "doctor_overhead.py"),
+                          "--pairs", "2", "--chunk", "2", "--apart", "1000",
+                          "--json", str(tmp_path / "o.json")],
+                         capture_output=True, text=True, check=True, timeout=120).stdout
+    figures = json.loads((tmp_path / "o.json").read_text())
+    assert set(figures["loaders"]) == {"DataLoader", "FastLoader"}
+    assert all(r["plain"] > 0 and r["probed"] > 0 for r in figures["loaders"].values())
+    assert figures["probe_us_per_batch"] > 0 and "| FastLoader |" in out
