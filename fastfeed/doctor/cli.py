@@ -26,6 +26,7 @@ from fastfeed.doctor.findings import REPORT, SCRIPT_FAILED, Diagnosis
 from fastfeed.doctor.plots import write_plots
 from fastfeed.doctor.report import format_report
 from fastfeed.doctor.settings import Settings
+from fastfeed.doctor.system import process_group
 
 __all__ = ["add_arguments", "run"]
 
@@ -70,25 +71,9 @@ def _settings(args: argparse.Namespace) -> Settings:
                     args.trial_batches, args.trial_seconds)
 
 
-def _group(pgid: int) -> list[int]:
-    """Live processes of a process group, from /proc."""
-    members = []
-    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] != "Z" and int(fields[2]) == pgid:
-            members.append(int(entry))
-    return members
-
-
 def _wait_empty(pgid: int, seconds: float) -> list[int]:
     deadline = time.monotonic() + seconds
-    while (left := _group(pgid)) and time.monotonic() < deadline:
+    while (left := process_group(pgid)) and time.monotonic() < deadline:
         time.sleep(0.05)
     return left
 

@@ -1,7 +1,6 @@
-"""CPU time and memory of the training process and its worker processes, from Linux's /proc.
-
-Read twice, when the window opens and when it closes: nothing per step. Off Linux (no /proc)
-every figure is missing and the report says so.
+"""Processes, from Linux's /proc: CPU time and memory of the training process and its workers
+(read twice, when the window opens and when it closes: nothing per step), and the members of a
+process group. Off Linux (no /proc) every figure is missing and the report says so.
 """
 
 from __future__ import annotations
@@ -9,21 +8,29 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-__all__ = ["ProcessTree", "Usage", "usage_between"]
+__all__ = ["ProcessTree", "Usage", "process_group", "usage_between"]
 
 _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
-def _stat(pid: int) -> tuple[int, float] | None:
-    """``(parent pid, CPU seconds)`` of a live process, from /proc/PID/stat."""
+def _fields(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (state first), or ``None`` for a
+    process that is gone or a zombie."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
     except OSError:
         return None
-    if fields[0] == "Z":
-        return None
-    return int(fields[1]), (int(fields[11]) + int(fields[12])) / _TICKS  # utime + stime
+    return None if fields[0] == "Z" else fields
+
+
+def _pids() -> list[int]:
+    return [int(e) for e in os.listdir("/proc") if e.isdigit()] if os.path.isdir("/proc") else []
+
+
+def process_group(pgid: int) -> list[int]:
+    """The live processes of a process group."""
+    return [pid for pid in _pids() if (f := _fields(pid)) is not None and int(f[2]) == pgid]
 
 
 def _memory(pid: int) -> int:
@@ -52,11 +59,10 @@ class ProcessTree:
     @classmethod
     def read(cls, root: int | None = None) -> ProcessTree:
         root = os.getpid() if root is None else root
-        stats: dict[int, tuple[int, float]] = {}
-        if os.path.isdir("/proc"):
-            for entry in os.listdir("/proc"):
-                if entry.isdigit() and (stat := _stat(int(entry))) is not None:
-                    stats[int(entry)] = stat
+        stats: dict[int, tuple[int, float]] = {}  # pid: (parent, CPU seconds)
+        for pid in _pids():
+            if (f := _fields(pid)) is not None:
+                stats[pid] = int(f[1]), (int(f[11]) + int(f[12])) / _TICKS  # utime + stime
         family, frontier = {root}, [root]
         while frontier:
             parent = frontier.pop()
