@@ -6,12 +6,18 @@ collate_fn, seed_worker and seeded generator: the loader ``model.train()`` itera
 Configurations:
 
 - ``stock``: Ultralytics' ``InfiniteDataLoader`` (a ``torch.utils.data.DataLoader``).
+- ``swap``: the plain import swap: Ultralytics' own ``InfiniteDataLoader`` class on top of
+  ``FastLoader`` instead of ``DataLoader``, nothing else changed.
 - ``patched``: after ``fastfeed.ultralytics.patch()`` (the one line).
 - ``patched-fast``: ``patch(fast_decode=True)``: large JPEGs decoded at a reduced DCT scale.
 - ``patched-threads``: ``patch(worker_mode="thread")`` (not in the default set).
 - ``patched-augment``, ``patched-fast-augment``: ``patch(augment_device="cuda")`` (with and
   without ``fast_decode``): the warp, HSV and flips run on the GPU (not in the default set; on a
   GPU machine only).
+- ``stock-ram``, ``patched-ram``, ``patched-shared``: Ultralytics' ``cache="ram"`` (every image
+  decoded once, per process, before training), under the stock loader, under ``patch()``, and
+  under ``patch(cache="shared")`` (one copy per machine, filled by whichever process decodes an
+  image first); not in the default set.
 - ``augment-feed``, ``fast-augment-feed``: a diagnostic for CPU-only machines: the workers'
   side of ``augment_device`` (parameters recorded, canvases shipped) with the device ops
   skipped, so the images are *not* augmented: the rate at which the CPU could feed a GPU that
@@ -27,7 +33,7 @@ camera JPEGs are; 1 to 7 labelled boxes each. Generated on first use, never comm
 
     python benchmarks/ultralytics_pipeline.py --pixels --json benchmarks/out/yolo-large.json
     python benchmarks/ultralytics_pipeline.py --widths 480,800 --json benchmarks/out/yolo-small.json
-    python benchmarks/ultralytics_pipeline.py --cache ram   # images decoded once, up front
+    python benchmarks/ultralytics_pipeline.py --configs stock-ram,patched-ram,patched-shared
     python benchmarks/ultralytics_pipeline.py --profile      # ms per sample, per OpenCV call
     python benchmarks/ultralytics_pipeline.py --ops-device cuda  # the batch pixel ops alone
 """
@@ -46,8 +52,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.interleaved import interleaved_rates, pipeline_parser, print_ratio_table
 
-CONFIGS = ("stock", "patched", "patched-fast")
+CONFIGS = ("stock", "swap", "patched", "patched-fast")
 PATCHES = {"patched": {}, "patched-fast": {"fast_decode": True},
+           "patched-ram": {}, "patched-shared": {"cache": "shared"},
            "patched-threads": {"worker_mode": "thread"},
            "patched-augment": {"augment_device": "cuda"},
            "patched-fast-augment": {"fast_decode": True, "augment_device": "cuda"},
@@ -106,8 +113,20 @@ def images_per_s(config: str, root: Path, imgsz: int, workers: int, batch_size: 
 
     import fastfeed.ultralytics
 
-    if config != "stock":
+    if config == "swap":
+        from ultralytics.data import build
+
+        from fastfeed import FastLoader
+
+        # Its close() reaches for torch's private _shutdown_workers, which FastLoader's
+        # iterators do not have: close through their public close() instead.
+        bases = (build.InfiniteDataLoader, FastLoader)  # its super() is now FastLoader
+        build.InfiniteDataLoader = type("InfiniteDataLoader", bases,
+                                        {"close": lambda self: self.iterator.close()})
+    elif not config.startswith("stock"):
         fastfeed.ultralytics.patch(**PATCHES[config])
+    if config.endswith(("-ram", "-shared")):
+        cache = "ram"
     if config.endswith("augment-feed"):
         from fastfeed.ultralytics import gpu_augment
 
@@ -150,22 +169,57 @@ def pixel_difference(root: Path, imgsz: int, images: int = 100) -> str:
             f"max {max(means):.2f} grey levels")
 
 
-def profile_samples(root: Path, imgsz: int, samples: int = 200) -> str:
-    """Where one process spends a training sample's time, stock, patched and with
-    ``fast_decode`` (cProfile, the OpenCV calls), and what ``imdecode`` costs at each DCT
-    scale."""
+# Each stage's calls in cProfile: (file, function) for Python, ("~", part of the name) for
+# built-ins (OpenCV's functions, numpy's, fastfeed's kernels).
+STAGES = {
+    "decode": [("~", "imdecode"), ("~", "fromfile"), ("~", "'read' of '_io.BufferedReader'")],
+    "resize": [("~", "<resize>")],
+    "mosaic": [("augment.py", "apply_image@Mosaic"), ("numeric.py", "full"),
+               ("mosaic.py", "render")],
+    "warp": [("~", "warpAffine"), ("~", "warp_axis_aligned")],
+    "hsv": [("~", "cvtColor"), ("~", "<LUT>"), ("~", "hsv_jitter")],
+    "format + collate": [("~", "ascontiguousarray"), ("~", "torch.stack"),
+                         ("~", "gather_hwc_to_chw")],
+}
+
+
+def _stage_times(stats: dict, samples: int) -> dict[str, float]:
+    """Milliseconds per sample of each of :data:`STAGES` (own time of its calls), and of the
+    rest (Python and small calls), from cProfile's ``stats``."""
+    total = sum(tottime for _, _, tottime, _, _ in stats.values())
+    times = dict.fromkeys(STAGES, 0.0)
+    for (path, line, name), (_, _, tottime, _, _) in stats.items():
+        if name == "apply_image" and path.endswith("augment.py") and 599 <= line < 632:
+            name = "apply_image@Mosaic"  # Ultralytics 8.4's Mosaic.apply_image
+        for stage, entries in STAGES.items():
+            if any(name == n and path.endswith(p) if p != "~" else path == "~" and n in name
+                   for p, n in entries):
+                times[stage] += tottime
+    times["rest (Python)"] = total - sum(times.values())
+    return {stage: t / samples * 1e3 for stage, t in times.items()}
+
+
+def profile_samples(root: Path, imgsz: int, samples: int = 320) -> str:
+    """Where one process spends a training sample's time, per stage (cProfile, batches of 16
+    formatted and collated as each configuration's workers do), and what ``imdecode`` costs at
+    each DCT scale."""
     import cProfile
     import pstats
 
     import cv2
+    import torch
 
+    torch.set_num_threads(1)  # as in a loader's worker
     os.environ["YOLO_OFFLINE"] = "1"
     from ultralytics.cfg import get_cfg
     from ultralytics.data import build_yolo_dataset
     from ultralytics.utils import DEFAULT_CFG
 
     import fastfeed.ultralytics
+    from fastfeed.collate import torch_empty
+    from fastfeed.ultralytics.collate import SlotCollate
     from fastfeed.ultralytics.gpu_augment import defer_pixel_ops
+    from fastfeed.ultralytics.loader import prepare_worker
 
     variants = {"stock": (None, False), "patch()": ({}, False),
                 "fast_decode": ({"fast_decode": True}, False),
@@ -179,24 +233,27 @@ def profile_samples(root: Path, imgsz: int, samples: int = 200) -> str:
         data = {"names": {i: str(i) for i in range(8)}, "nc": 8, "channels": 3}
         dataset = build_yolo_dataset(get_cfg(DEFAULT_CFG, {"imgsz": imgsz}),
                                      str(root / "images"), 16, data, mode="train")
+        collate = dataset.collate_fn
         if defer:
             defer_pixel_ops(dataset)
+        elif options is not None:  # as the patched loader's workers do
+            prepare_worker(dataset)
+            collate = SlotCollate(collate)
         # Indices wrap: a small --images set still gives the 20 warm-up and ``samples`` timed.
         for i in range(20):  # fill the mosaic buffer
             dataset[i % len(dataset)]
         profiler = cProfile.Profile()
         start = time.perf_counter()
         profiler.enable()
-        for i in range(20, 20 + samples):
-            dataset[i % len(dataset)]
+        for first in range(20, 20 + samples, 16):
+            batch = [dataset[i % len(dataset)] for i in range(first, first + 16)]
+            if not defer:
+                collate(batch) if options is None else collate.collate_into(batch, torch_empty)
         profiler.disable()
         per_sample = (time.perf_counter() - start) / samples * 1e3
-        stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
-        calls = {func[2]: tottime for func, (_, _, tottime, _, _) in stats.items()
-                 if func[0] == "~" and not func[2].startswith("<method")}
-        top = sorted(calls.items(), key=lambda kv: -kv[1])[:6]
+        stages = _stage_times(pstats.Stats(profiler).stats, samples)  # type: ignore[attr-defined]
         lines.append(f"{name}: {per_sample:.1f} ms per sample; "
-                     + ", ".join(f"{call} {t / samples * 1e3:.2f}" for call, t in top))
+                     + ", ".join(f"{stage} {t:.2f}" for stage, t in stages.items()))
     fastfeed.ultralytics.unpatch()
     files = [np.fromfile(p, np.uint8) for p in sorted((root / "images").glob("*.jpg"))[:60]]
     scales = {"full": cv2.IMREAD_COLOR, "1/2": cv2.IMREAD_REDUCED_COLOR_2,

@@ -145,7 +145,7 @@ def test_patched_loader_has_ultralytics_arguments(yolo_root):
     # into the ring slot.
     assert loader.worker_init_fn.init is seed_worker and loader.generator is not None
     assert loader.collate_fn.collate_fn is loader.dataset.collate_fn
-    assert loader.worker_init_fn.prepare.__name__ == "format_into_slot"
+    assert loader.worker_init_fn.prepare.__name__ == "prepare_worker"
     assert (loader.num_workers, loader.prefetch_factor, loader.batch_size) == (2, 4, 4)
     assert loader.log_every == 1000 and len(loader) == 6
 
@@ -813,3 +813,33 @@ def test_shared_cache_over_budget_says_so_and_decodes(yolo_root):
     assert set(cache_dir().glob("fastfeed-yolo-*")) == before
     with pytest.raises(ValueError, match="cache must be"):
         fu.patch(cache="ram")
+
+
+@pytest.mark.parametrize("scale", [0.5, 0.95])
+def test_lazy_mosaic_gives_stock_samples(yolo_root, scale):
+    """Workers lay out only the part of each mosaic canvas the warp reads: the same batches
+    and random draws as stock, at Ultralytics' default scale jitter and at one that zooms far
+    out (most of the canvas read) and far in."""
+    from ultralytics.data.augment import Mosaic
+
+    from fastfeed.ultralytics.collate import SlotCollate, flatten
+    from fastfeed.ultralytics.loader import prepare_worker
+
+    batches = []
+    for patched in (False, True):
+        if patched:
+            fu.patch()
+        cfg = get_cfg(DEFAULT_CFG, {"imgsz": 160, "scale": scale})
+        data = build_yolo_dataset(cfg, str(yolo_root / "images"), 4,
+                                  {"names": NAMES, "nc": len(NAMES), "channels": 3}, mode="train")
+        collate = data.collate_fn
+        if patched:
+            prepare_worker(data)
+            assert all(getattr(t, "_fastfeed_defers_canvas", False)
+                       for t in flatten(data.transforms) if type(t) is Mosaic)
+            collate = SlotCollate(collate)
+        random.seed(0)
+        np.random.seed(0)
+        batches.append([collate([data[i % len(data)] for i in range(b, b + 4)])
+                        for b in range(0, 48, 4)] + [random.random()])
+    assert_same(batches[1], batches[0])

@@ -113,6 +113,7 @@ def patch(fast_decode: bool = False, augment_device: str | None = None,
 
     from fastfeed.ultralytics.decode import reduced_load_image
     from fastfeed.ultralytics.hsv import exact_hsv
+    from fastfeed.ultralytics.mosaic import lazy_mosaic
     from fastfeed.ultralytics.shared_cache import (
         shared_cache_images,
         shared_check_cache_ram,
@@ -128,6 +129,8 @@ def patch(fast_decode: bool = False, augment_device: str | None = None,
     if "apply_image" in vars(augment.RandomPerspective):  # its warp since Ultralytics 8.4
         _originals.setdefault("warp", augment.RandomPerspective.apply_image)
         augment.RandomPerspective.apply_image = exact_warp(_originals["warp"])
+        _originals.setdefault("mosaic", augment.Mosaic.apply_image)
+        augment.Mosaic.apply_image = lazy_mosaic(_originals["mosaic"])
     _originals.setdefault("hsv", augment.RandomHSV.apply_image)
     augment.RandomHSV.apply_image = exact_hsv(_originals["hsv"])
     dist.generate_ddp_file = _patching_ddp_workers(
@@ -152,7 +155,7 @@ def patch(fast_decode: bool = False, augment_device: str | None = None,
 
 
 def unpatch() -> None:
-    """Give Ultralytics back its own loader, image reader and cache, warp and HSV jitter."""
+    """Give Ultralytics back its own loader, image reader and cache, mosaic, warp and HSV."""
     if not _originals:
         return
     from ultralytics.data import augment, base, build
@@ -165,6 +168,7 @@ def unpatch() -> None:
     base.BaseDataset.check_cache_ram = _originals.pop("check_cache_ram")
     if "warp" in _originals:
         augment.RandomPerspective.apply_image = _originals.pop("warp")
+        augment.Mosaic.apply_image = _originals.pop("mosaic")
     augment.RandomHSV.apply_image = _originals.pop("hsv")
 
 

@@ -98,5 +98,14 @@ def _with_slot_images(dataset: Any, options: dict[str, Any], augment_device: str
         if getattr(dataset, "augment", False):  # validation loaders are expected to stay put
             warnings.warn(f"fastfeed: Ultralytics' augmentation stays on the CPU: {reason}",
                           RuntimeWarning, stacklevel=3)
-    return {**options, "worker_init_fn": collate.InWorkers(collate.format_into_slot, init),
+    return {**options, "worker_init_fn": collate.InWorkers(prepare_worker, init),
             "collate_fn": collate.SlotCollate(collate_fn)}
+
+
+def prepare_worker(dataset: Any) -> None:
+    """In a worker: ``Format`` hands its images to the slot collate, and mosaics that go
+    straight to the warp are laid out only where it reads them."""
+    from fastfeed.ultralytics import collate, mosaic
+
+    collate.format_into_slot(dataset)
+    mosaic.defer_canvases(dataset)

@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from fastfeed.ultralytics.mosaic import BORDER, pending_canvas
+
 try:
     from fastfeed import _warp  # type: ignore[attr-defined]
 except ImportError:  # installed without a C++ compiler: every warp stays OpenCV's
@@ -29,7 +31,6 @@ except ImportError:  # installed without a C++ compiler: every warp stays OpenCV
 
 __all__ = ["exact_warp", "matches_opencv", "warp_axis_aligned"]
 
-BORDER = 114  # Ultralytics' fill value for mosaic canvases and warps
 # OpenCV computes the last (width mod its vector width) pixels of a row with scalar code
 # whose rounding may differ; a multiple of 32 has no such tail on any of its builds.
 _WIDTH_MULTIPLE = 32
@@ -77,6 +78,10 @@ def _unsupported(image: np.ndarray, matrix: np.ndarray, size: tuple[int, int]) -
         return f"needs an H×W×3 uint8 image, got {image.dtype} {image.shape}"
     if image.strides[1:] != (3, 1):
         return "needs each row's pixels contiguous"
+    return _unsupported_map(matrix, size)
+
+
+def _unsupported_map(matrix: np.ndarray, size: tuple[int, int]) -> str | None:
     m = np.asarray(matrix, np.float64)
     if m.shape not in ((2, 3), (3, 3)) or not np.isfinite(m[:2]).all():
         return f"needs a finite 2×3 or 3×3 matrix, got shape {m.shape}"
@@ -111,14 +116,22 @@ def matches_opencv() -> bool:
 
 def exact_warp(apply_image: ApplyImage) -> ApplyImage:
     """``RandomPerspective.apply_image``, taking the separable kernel where it gives OpenCV's
-    bytes and ``apply_image`` everywhere else."""
+    bytes and ``apply_image`` everywhere else; a mosaic canvas left pending by
+    :func:`~fastfeed.ultralytics.mosaic.lazy_mosaic` is laid out first (only where the kernel
+    reads it)."""
 
     @functools.wraps(apply_image)
     def warp(self: Any, labels: dict, params: dict) -> dict:
-        img, matrix, size = labels["img"], params["M"], params["size"]
-        if self.perspective or _unsupported(img, matrix, size) or not matches_opencv():
+        matrix, size = params["M"], params["size"]
+        pending = pending_canvas(labels)  # rendered below as a contiguous H×W×3 uint8 canvas
+        fast = (not self.perspective and matches_opencv()
+                and not (_unsupported_map(matrix, size) if pending
+                         else _unsupported(labels["img"], matrix, size)))
+        if pending is not None:  # lay out the mosaic: all of it, or what the kernel reads
+            labels["img"] = pending.render(matrix, size) if fast else pending.render()
+        if not fast:
             return apply_image(self, labels, params)
-        labels["img"] = _run(img, matrix, size, BORDER)
+        labels["img"] = _run(labels["img"], matrix, size, BORDER)
         labels["resized_shape"] = labels["img"].shape[:2]
         return labels
 
