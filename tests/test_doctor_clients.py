@@ -36,7 +36,8 @@ def test_torchvision_transforms_are_named_and_accelerate_is_measured(tmp_path, v
     pytest.importorskip("torchvision")
     found, _ = diagnose(tmp_path, "--warmup", "2", "--batches", "5",
                         str(SCRIPTS / "train_classifier.py"), "--transforms", version,
-                        "--slow-ms", "10", "--generate", "96", "--size", "64")
+                        "--slow-ms", "5", "--generate", "64", "--batch-size", "8",
+                        "--size", "64")
     stages = [s["stage"] for s in found["per_sample_ms"]]
     assert stages[0] == "Sleep", stages
     converted = ["ToTensor"] if version == "v1" else ["ToImage", "ToDtype"]
