@@ -218,10 +218,13 @@ class Probe:
         """``next(inner)``, timed for ``trace`` (the timed iterator's ``__next__``)."""
         if getattr(self._local, "busy", False) or (self.closed and not self.window.stop):
             return next(inner)
-        requested = time.perf_counter()
-        trace.complete_step(requested, self._deliveries)
-        if self.closed or self._closes(trace, requested):
+        now = time.perf_counter()
+        trace.complete_step(now, self._deliveries)
+        if self.closed or self._closes(trace, now):
             raise WindowClosed
+        # The wait starts after the probe's own work at a window's start (reading /proc):
+        # that time is the doctor's, in neither the step's compute nor its wait.
+        requested = time.perf_counter()
         gpu_mark = trace.gpu.request()
         self._local.busy = True
         try:
