@@ -60,6 +60,11 @@ def test_verdict_rules():
     assert judge(0.10, 100, 1000).name == BALANCED
     assert not judge(0.01, 100, 1000).loader_helps
     assert "10.0×" in " ".join(judge(0.01, 100, 1000).evidence)
+    # Which balance: the loader just keeping up, or a wait for what training shares with it.
+    assert "just keeps up" in " ".join(judge(0.10, 100, 120).evidence)
+    assert "shares" in " ".join(judge(0.10, 100, 1000).evidence)
+    assert "shares" in " ".join(judge(0.50, 100, 1000).evidence)
+    assert "shares" not in " ".join(judge(0.50, 100, 110).evidence)
 
 
 class Subclassed(DataLoader):

@@ -6,8 +6,10 @@ A pure function of three measured numbers, so that its rules are tested on numbe
   loader makes training faster, up to the model's own pace;
 - **compute-bound** when it waits under ``COMPUTE_BOUND`` *and* the loader alone delivers at
   least ``HEADROOM`` times what training consumes: the loader is not the bottleneck;
-- **balanced** otherwise: the loader just keeps up, so a faster model step (AMP, a bigger GPU,
-  ``torch.compile``) would make training wait for data.
+- **balanced** otherwise: training waits a little, either because the loader just keeps up
+  (a faster model step, with AMP, a bigger GPU or ``torch.compile``, would make training wait
+  for data) or, where the loader alone has room to spare, for what training shares with it
+  (the CPU cores, the main process's work per batch); the evidence says which.
 """
 
 from __future__ import annotations
@@ -52,15 +54,18 @@ def judge(stall: float, consumer: float, ceiling: float | None) -> Verdict:
     alone = ([] if room is None else
              [f"the loader alone delivers {ceiling:,.0f} samples/s, {room:.1f}× the "
               f"{consumer:,.0f} samples/s training consumed"])
+    # With room to spare, what training waits for is not the loader's pace but what the two
+    # share: the CPU cores, and the main process's own work per batch.
+    shared = ("so the loader keeps pace on its own: training waits for what it shares with "
+              "the loader (CPU cores, the main process's work per batch)")
+    spare = room is None or room >= HEADROOM
     if stall >= DATA_BOUND_STALL:
-        shared = ([] if room is None or room < HEADROOM else
-                  ["so the loader keeps pace on its own: training waits for what it shares "
-                   "with the loader (CPU cores, the main process's work per batch)"])
-        return Verdict(DATA_BOUND, (waited, *alone, *shared))
-    if stall < COMPUTE_BOUND_STALL and (room is None or room >= HEADROOM):
+        return Verdict(DATA_BOUND, (waited, *alone, *([shared] if room is not None and spare
+                                                      else [])))
+    if stall < COMPUTE_BOUND_STALL and spare:
         return Verdict(COMPUTE_BOUND, (waited, *alone,
                                        "a faster loader would not make this training faster: "
                                        "the time is in the model step"))
-    reason = ("the loader just keeps up: a faster model step would make training wait for "
-              "data")
+    reason = (shared if spare else "the loader just keeps up: a faster model step would make "
+              "training wait for data")
     return Verdict(BALANCED, (waited, *alone, reason))
