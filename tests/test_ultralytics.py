@@ -843,3 +843,23 @@ def test_lazy_mosaic_gives_stock_samples(yolo_root, scale):
         batches.append([collate([data[i % len(data)] for i in range(b, b + 4)])
                         for b in range(0, 48, 4)] + [random.random()])
     assert_same(batches[1], batches[0])
+
+
+def test_label_copies_are_deep_copies(yolo_root):
+    """copy_labels gives what copy.deepcopy gives for every label dict, shares no array with
+    it, keeps aliases aliased, and leaves other values to deepcopy."""
+    import copy
+
+    from fastfeed.ultralytics.labels import copy_labels
+
+    labels = dataset(yolo_root)[1].labels
+    for label in labels:
+        copied = copy_labels(label)
+        assert_same(copied, copy.deepcopy(label))
+        pairs = zip(copied.values(), label.values(), strict=True)
+        assert not any(np.shares_memory(a, b) for a, b in pairs if isinstance(a, np.ndarray))
+    shared = np.arange(4.0)
+    odd = {"a": shared, "b": [shared, (1, "x")], "c": {1, 2}, "d": np.array([None])}
+    copied = copy_labels(odd)
+    assert copied["a"] is copied["b"][0] and copied["a"] is not shared
+    assert copied["c"] == {1, 2} and copied["c"] is not odd["c"] and copied["d"] is not odd["d"]

@@ -113,6 +113,7 @@ def patch(fast_decode: bool = False, augment_device: str | None = None,
 
     from fastfeed.ultralytics.decode import reduced_load_image
     from fastfeed.ultralytics.hsv import exact_hsv
+    from fastfeed.ultralytics.labels import copy_labels
     from fastfeed.ultralytics.mosaic import lazy_mosaic
     from fastfeed.ultralytics.shared_cache import (
         shared_cache_images,
@@ -133,6 +134,8 @@ def patch(fast_decode: bool = False, augment_device: str | None = None,
         augment.Mosaic.apply_image = lazy_mosaic(_originals["mosaic"])
     _originals.setdefault("hsv", augment.RandomHSV.apply_image)
     augment.RandomHSV.apply_image = exact_hsv(_originals["hsv"])
+    _originals.setdefault("deepcopy", base.deepcopy)  # get_image_and_label's copy of labels
+    base.deepcopy = copy_labels
     dist.generate_ddp_file = _patching_ddp_workers(
         _originals["generate_ddp_file"],
         {"fast_decode": fast_decode, "augment_device": augment_device, "cache": cache,
@@ -155,7 +158,8 @@ def patch(fast_decode: bool = False, augment_device: str | None = None,
 
 
 def unpatch() -> None:
-    """Give Ultralytics back its own loader, image reader and cache, mosaic, warp and HSV."""
+    """Give Ultralytics back its own loader, image reader and cache, label copy, mosaic, warp
+    and HSV."""
     if not _originals:
         return
     from ultralytics.data import augment, base, build
@@ -170,6 +174,7 @@ def unpatch() -> None:
         augment.RandomPerspective.apply_image = _originals.pop("warp")
         augment.Mosaic.apply_image = _originals.pop("mosaic")
     augment.RandomHSV.apply_image = _originals.pop("hsv")
+    base.deepcopy = _originals.pop("deepcopy")
 
 
 def is_patched() -> bool:
