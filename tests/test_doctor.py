@@ -109,20 +109,20 @@ def test_window_closes_with_the_step_after_it():
     opened, closed = [], []
     probe = Probe(Window(warmup=2, batches=3, seconds=1e9),
                   on_start=lambda t, _: opened.append(t.batches),
-                  on_close=lambda t, _: closed.append(t.batches))
+                  on_close=lambda t, loader: closed.append((t.batches, loader.batch_size)))
     probe.install()
     try:
-        loader = DataLoader(TensorDataset(40), batch_size=2)
         got = []
         with pytest.raises(WindowClosed):
-            for batch in loader:
+            # A loader nothing else holds: torch's iterator does not keep it, the probe must.
+            for batch in DataLoader(TensorDataset(40), batch_size=2):
                 got.append(batch)
         with pytest.raises(WindowClosed):  # and every later request, from any loader
             next(iter(DataLoader(TensorDataset(4))))
     finally:
         probe.uninstall()
     # Two warm-up batches, then three steps: the third step ends at the sixth request.
-    assert len(got) == 5 and opened == [2] and closed == [5]
+    assert len(got) == 5 and opened == [2] and closed == [(5, 2)]
     assert probe.closed_by is probe.traces[0] and len(probe.traces[0].computes) == 5
 
 

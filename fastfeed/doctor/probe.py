@@ -57,7 +57,6 @@ class LoaderTrace:
 
     name: str
     auto_collation: bool
-    loader: weakref.ref[DataLoader]
     gpu: GpuWaits
     first_iter_at: float | None = None
     delivered_at: list[float] = field(default_factory=list)
@@ -88,16 +87,22 @@ class LoaderTrace:
 
 
 class _TimedIterator:
-    """The iterator a script gets: ``next()`` is timed, everything else is the real one's."""
+    """The iterator a script gets: ``next()`` is timed, everything else is the real one's.
 
-    def __init__(self, inner: Iterator[Any], trace: LoaderTrace, probe: Probe) -> None:
-        self._inner, self._trace, self._probe = inner, trace, probe
+    It keeps its loader alive, as long as the script iterates: torch's iterators do not hold
+    their loader, and ``for batch in DataLoader(...)`` drops it at once, but the doctor reads
+    the loader's arguments when the window closes.
+    """
+
+    def __init__(self, inner: Iterator[Any], loader: DataLoader, trace: LoaderTrace,
+                 probe: Probe) -> None:
+        self._inner, self._loader, self._trace, self._probe = inner, loader, trace, probe
 
     def __iter__(self) -> _TimedIterator:
         return self
 
     def __next__(self) -> Any:
-        return self._probe.next_batch(self._inner, self._trace)
+        return self._probe.next_batch(self._inner, self._loader, self._trace)
 
     def __len__(self) -> int:
         return len(self._inner)  # type: ignore[arg-type]
@@ -199,28 +204,28 @@ class Probe:
             if trace.first_iter_at is None:
                 trace.first_iter_at = since
             trace.pending_wait += time.perf_counter() - since
-        return _TimedIterator(iterator, trace, self)
+        return _TimedIterator(iterator, loader, trace, self)
 
     def _trace(self, loader: DataLoader) -> LoaderTrace:
         trace = self._by_loader.get(loader)
         if trace is None:
             kind = type(loader)
             trace = LoaderTrace(f"{kind.__module__}.{kind.__qualname__}",
-                                loader.batch_sampler is not None, weakref.ref(loader),
-                                self._gpu_waits())
+                                loader.batch_sampler is not None, self._gpu_waits())
             self._by_loader[loader] = trace
             self.traces.append(trace)
         return trace
 
     # -- the hot path ------------------------------------------------------------------------
 
-    def next_batch(self, inner: Iterator[Any], trace: LoaderTrace) -> Any:
-        """``next(inner)``, timed for ``trace`` (the timed iterator's ``__next__``)."""
+    def next_batch(self, inner: Iterator[Any], loader: DataLoader, trace: LoaderTrace) -> Any:
+        """``next(inner)``, timed for ``loader``'s ``trace`` (the timed iterator's
+        ``__next__``)."""
         if getattr(self._local, "busy", False) or (self.closed and not self.window.stop):
             return next(inner)
         now = time.perf_counter()
         trace.complete_step(now, self._deliveries)
-        if self.closed or self._closes(trace, now):
+        if self.closed or self._closes(loader, trace, now):
             raise WindowClosed
         # The wait starts after the probe's own work at a window's start (reading /proc):
         # that time is the doctor's, in neither the step's compute nor its wait.
@@ -240,20 +245,20 @@ class Probe:
         trace.deliver(requested, now, batch, self._deliveries)
         return batch
 
-    def _closes(self, trace: LoaderTrace, now: float) -> bool:
+    def _closes(self, loader: DataLoader, trace: LoaderTrace, now: float) -> bool:
         """Opens and closes ``trace``'s window at a request; True when it has just closed."""
-        window, loader = self.window, trace.loader()
+        window = self.window
         if trace.window_start is None:
             if trace.batches < window.warmup:
                 return False
             trace.window_start = now
-            if self._on_start is not None and loader is not None:
+            if self._on_start is not None:
                 self._on_start(trace, loader)
         steps = len(trace.computes) - window.warmup
         if steps < window.batches and (steps < 1 or now - trace.window_start < window.seconds):
             return False
         self.closed_by = trace
         trace.gpu.finish()
-        if self._on_close is not None and loader is not None:
+        if self._on_close is not None:
             self._on_close(trace, loader)
         return window.stop

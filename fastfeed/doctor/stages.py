@@ -219,7 +219,8 @@ def profile_samples(dataset: Any, collate_fn: Callable[[Any], Any] | None,
         torch.set_num_threads(threads)
     try:
         instruments.dataset(dataset)
-        getitem = "__getitem__ (rest)" if instruments.installed else "__getitem__"
+        getitem = ("__iter__, per sample" if isinstance(dataset, IterableDataset) else
+                   "__getitem__ (rest)" if instruments.installed else "__getitem__")
         samples = _samples(dataset, clock, getitem, budget_s, most, least)
     finally:
         instruments.restore()
