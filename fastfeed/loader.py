@@ -222,6 +222,10 @@ class FastLoader(DataLoader):
         self.__dict__["_iterator"] = None
         self._init_runtime()
 
+    def check_worker_number_rationality(self) -> None:
+        if getattr(self, "worker_mode", None) != "ray":  # Ray: the cluster's cores, not these
+            super().check_worker_number_rationality()
+
     def _sync_tuned_workers(self) -> None:
         """With ``num_workers="auto"``, ``num_workers`` follows the tuner between epochs."""
         tuned = self._carry_over.workers
@@ -388,6 +392,6 @@ class FastLoader(DataLoader):
         setup = self._iterator_setup()
         if self.num_workers == 0:
             return SingleProcessIterator(self, setup)
-        if not self.autotune and self.worker_mode != "ray":  # ray: the cluster's cores
+        if not self.autotune:  # "auto" goes past the cores only when that measured faster
             self.check_worker_number_rationality()
         return WorkerPoolIterator(self, setup)

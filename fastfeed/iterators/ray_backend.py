@@ -229,12 +229,9 @@ class RayBackend:
         call = worker.calls[0]
         try:
             reply = self._ray.get(call.reply)
-        except (self._exceptions.RayActorError, self._exceptions.ObjectLostError) as error:
-            self._recover(worker, error)
-            return None
         except self._exceptions.RayError as error:
-            raise WorkerExited(f"DataLoader worker {worker.config.worker_id} (a Ray actor) "
-                               f"failed: {error}") from error
+            self._lost(worker, error)
+            return None
         worker.calls.popleft()
         if reply is None:  # a task queued behind its replica's end: the pool cancelled it
             return None
@@ -248,8 +245,18 @@ class RayBackend:
             reply = Answer(reply.seq, replace(reply.outcome, batch=batch))
         return reply
 
-    def _recover(self, worker: RemoteWorker, error: Exception) -> None:
+    def _lost(self, worker: RemoteWorker, error: Exception) -> None:
+        """Restart ``worker`` after Ray lost its actor or a reply of it; raise instead where a
+        restart cannot help or cannot replay it."""
         worker_id = worker.config.worker_id
+        exceptions = self._exceptions
+        if isinstance(error, exceptions.RayActorError) and error.actor_init_failed:
+            # Its dataset or configuration did not arrive (cannot be unpickled there, say).
+            raise WorkerExited(f"DataLoader worker {worker_id} (a Ray actor) could not "
+                               f"start: {error}") from error
+        if not isinstance(error, (exceptions.RayActorError, exceptions.ObjectLostError)):
+            raise WorkerExited(f"DataLoader worker {worker_id} (a Ray actor) failed: "
+                               f"{error}") from error
         if worker.config.iterable:
             raise WorkerExited(
                 f"DataLoader worker {worker_id} (a Ray actor) was lost: {error}\nIts "

@@ -1,0 +1,100 @@
+"""``worker_mode="ray"`` without a cluster: the form a batch takes in Ray's object store, and
+the loader's checks of Ray's arguments. The cluster tests are in ``test_ray_cluster.py``."""
+
+from __future__ import annotations
+
+import pickle
+import sys
+
+import numpy as np
+import pytest
+import torch
+from helpers import assert_same
+from sample_datasets import MixedDataset, ShardedIterable, TensorDataset
+
+from fastfeed import FastLoader
+from fastfeed.cluster.wire import ship, unship
+from fastfeed.codec import decode, encode
+from fastfeed.ring import Arena, Lease
+
+
+def through_object_store(batch):
+    """``batch`` shipped, carried as Ray carries it (its buffers out of band, read-only on
+    arrival) and rebuilt."""
+    shipped = ship(batch)
+    buffers: list[pickle.PickleBuffer] = []
+    blob = pickle.dumps(shipped, protocol=5, buffer_callback=buffers.append)
+    arrived = pickle.loads(blob, buffers=[memoryview(bytes(b.raw())) for b in buffers])
+    return shipped, unship(arrived)
+
+
+def test_a_batch_arrives_equal_with_its_views_and_identities():
+    x = torch.arange(24_000, dtype=torch.float64).reshape(4000, 6)
+    batch = {
+        "views": (x, x[1], x.t(), x),
+        "half": torch.arange(6, dtype=torch.float16)[1::2],
+        "empty": torch.empty(0, 3),
+        "array": np.arange(10, dtype=np.int32),
+        "strided": np.arange(12).reshape(3, 4)[:, ::2],
+        "leaf": torch.ones(2, requires_grad=True),
+        "text": ["a", "b"],
+    }
+    shipped, arrived = through_object_store(batch)
+    assert_same(batch, arrived)
+    views = arrived["views"]
+    assert views[0] is views[3], "one tensor twice is one tensor"
+    assert views[1].untyped_storage().data_ptr() == views[0].untyped_storage().data_ptr()
+    assert views[2].stride() == (1, 6) and views[2].storage_offset() == 0
+    assert arrived["leaf"].requires_grad
+    # Three storages and one array out of band; none of their bytes in the pickled structure.
+    assert len(shipped.buffers) == 4
+    assert len(shipped.payload) < 2000
+
+
+def test_the_slot_bound_holds_every_batch_the_codec_places():
+    """What the main process sizes a slot of its own by: the codec never needs more."""
+    for batch in (MixedDataset()[3], TensorDataset()[0],
+                  {"rows": torch.arange(1000.)[::7], "pair": (torch.ones(3), torch.zeros(5))}):
+        shipped, arrived = through_object_store(batch)
+        arena = Arena(None, torch.empty(shipped.nbytes, dtype=torch.uint8))
+        encoded = encode(arrived, arena)
+        assert encoded.required <= shipped.nbytes
+        assert not encoded.placed or b"object" not in encoded.placed
+        assert_same(batch, decode(encoded, Lease(arena.buffer.numpy())))
+
+
+def test_worker_mode_ray_without_ray_says_how_to_install_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if not installed
+    with pytest.raises(ImportError, match=r"pip install 'fastfeed\[ray\]'"):
+        FastLoader(TensorDataset(), num_workers=2, worker_mode="ray")
+
+
+def test_ray_options_need_worker_mode_ray():
+    with pytest.raises(ValueError, match="worker_mode='ray'"):
+        FastLoader(TensorDataset(), num_workers=2, ray_options={"num_cpus": 1})
+    with pytest.raises(ValueError, match="worker_mode should be one of"):
+        FastLoader(TensorDataset(), num_workers=2, worker_mode="rays")
+
+
+@pytest.mark.clients
+@pytest.mark.parametrize(("options", "error", "match"), [
+    pytest.param([("num_cpus", 1)], TypeError, "dict", id="not-a-dict"),
+    pytest.param({"max_restarts": 3}, ValueError, "restarts a lost one itself", id="ours"),
+    pytest.param({"num_cpus": -1}, ValueError, "negative", id="negative-cpus"),
+    pytest.param({"resources": {"CPU": 1}}, ValueError, "num_cpus", id="cpu-as-resource"),
+])
+def test_ray_options_are_checked_when_the_loader_is_built(options, error, match):
+    pytest.importorskip("ray", reason="needs Ray: pip install 'fastfeed[ray]'")
+    with pytest.raises(error, match=match):
+        FastLoader(TensorDataset(), num_workers=2, worker_mode="ray", ray_options=options)
+
+
+@pytest.mark.clients
+def test_without_a_cluster_the_first_iteration_says_to_call_ray_init(monkeypatch):
+    ray = pytest.importorskip("ray", reason="needs Ray: pip install 'fastfeed[ray]'")
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    loader = FastLoader(ShardedIterable(), num_workers=2, worker_mode="ray")
+    with pytest.raises(RuntimeError, match=r"call ray\.init\(address=\.\.\.\)"):
+        iter(loader)
+    with pytest.raises(RuntimeError, match=r"ray\.init"):
+        FastLoader(TensorDataset(), num_workers="auto", worker_mode="ray")

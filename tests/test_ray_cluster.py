@@ -1,0 +1,223 @@
+"""``worker_mode="ray"`` on a Ray cluster of three nodes on this machine
+(``ray.cluster_utils.Cluster``, CPU only): the same batches as torch's DataLoader side by side,
+nothing lost and nothing repeated when a node goes away mid-epoch, and no actor left behind.
+
+One cluster serves the module (it takes about ten seconds to start); each test checks that the
+loaders it made left no actor running.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import socket
+import sys
+import time
+import warnings
+
+import pytest
+import sample_datasets
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from helpers import assert_same, compare, run_epochs
+from sample_datasets import (
+    InitTagDataset,
+    MixedDataset,
+    TensorDataset,
+    UnevenIterable,
+    record_worker_init,
+)
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from fastfeed import FastLoader
+
+ray = pytest.importorskip("ray", reason="needs Ray: pip install 'fastfeed[ray]' (the client "
+                                        "environment)")
+from ray.cluster_utils import Cluster  # noqa: E402
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
+
+pytestmark = [pytest.mark.clients, pytest.mark.timeout(120)]
+
+# The test datasets travel by value: the cluster's workers cannot import the tests' modules.
+ray.cloudpickle.register_pickle_by_value(sample_datasets)
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+# Actors on the worker node, one CPU each: the custom resource places them there.
+ON_WORKER_NODE = {"num_cpus": 1, "resources": {"cpu_node": 1}}
+# Lost nodes are noticed in about a second, not Ray's default of about fifteen.
+FAST_HEALTH_CHECKS = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 300,
+                      "health_check_failure_threshold": 3}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    cluster = Cluster(initialize_head=True, connect=False, head_node_args={
+        "num_cpus": 2, "_system_config": FAST_HEALTH_CHECKS})
+    cluster.add_node(num_cpus=2, resources={"cpu_node": 2})
+    processes = [p.process for node in cluster.list_all_nodes()
+                 for kind in node.all_processes.values() for p in kind]
+    try:
+        ray.init(address=cluster.address, logging_level="ERROR", log_to_driver=False)
+        cluster.wait_for_nodes()
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    assert all(p.poll() is not None for p in processes), "a Ray process outlived the cluster"
+
+
+def no_actor_running(wait: float = 10.0) -> bool:
+    """Whether every actor fastfeed started is gone (waiting up to ``wait`` seconds)."""
+    deadline = time.monotonic() + wait
+    while True:
+        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
+        if not any(name.startswith("fastfeed-") for name in names):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+
+
+@pytest.fixture(autouse=True)
+def no_actor_left(cluster):
+    yield
+    gc.collect()
+    assert no_actor_running(), "actors outlived their loader"
+
+
+def test_map_style_dataset_same_batches(cluster):
+    """Seeds, get_worker_info(), RNG draws, shuffling, two persistent epochs; the actors run
+    where ray_options put them."""
+    loader = FastLoader(MixedDataset(), batch_size=4, shuffle=True, num_workers=2,
+                        persistent_workers=True, generator=torch.Generator().manual_seed(3),
+                        worker_mode="ray", ray_options=ON_WORKER_NODE)
+    expected = run_epochs(DataLoader(MixedDataset(), batch_size=4, shuffle=True, num_workers=2,
+                                     persistent_workers=True,
+                                     generator=torch.Generator().manual_seed(3)), 2, seed=0)
+    actual = run_epochs(loader, 2, seed=0)
+    assert ray.available_resources().get("cpu_node", 0) == 0, "not on the worker node"
+    assert_same(expected, actual)
+    assert {b["worker"][0].item() for b in actual[0]} == {0, 1}
+
+
+def test_worker_init_fn_and_out_of_order_delivery(cluster):
+    """in_order=False: torch's batches, in whatever order they arrived; worker_init_fn ran in
+    each actor."""
+    kwargs = {"batch_size": 2, "num_workers": 2, "in_order": False,
+              "worker_init_fn": record_worker_init}
+    expected = list(DataLoader(InitTagDataset(), **kwargs))
+    iterator = iter(FastLoader(InitTagDataset(), worker_mode="ray", **kwargs))
+    actual = list(iterator)
+    assert no_actor_running(), "the epoch ended and its actors still run"
+    assert {tag for batch in actual for tag in batch[:, 1].tolist()} == {1000, 1001}
+    assert_same(sorted(expected, key=lambda b: b[0, 0].item()),
+                sorted(actual, key=lambda b: b[0, 0].item()))
+
+
+def test_iterable_dataset_same_batches(cluster):
+    """Replicas sharded by get_worker_info() and interleaved; one ends early, and the tasks
+    queued behind its end are cancelled; persistent workers start each replica again."""
+    assert compare(UnevenIterable, epochs=2, batch_size=2, num_workers=2,
+                   persistent_workers=True, fast={"worker_mode": "ray"}) == 2 * 3
+
+
+def test_resume_mid_epoch(cluster):
+    kwargs = {"batch_size": 4, "shuffle": True, "num_workers": 2}
+    torch.manual_seed(7)
+    expected = list(DataLoader(TensorDataset(), **kwargs))
+    torch.manual_seed(7)
+    first = FastLoader(TensorDataset(), worker_mode="ray", **kwargs)
+    iterator = iter(first)
+    head = [next(iterator) for _ in range(3)]
+    state = first.state_dict()
+    del iterator, first
+    second = FastLoader(TensorDataset(), worker_mode="ray", **kwargs)
+    second.load_state_dict(state)
+    assert_same(expected, head + list(second))
+
+
+class SlowRandomDataset(Dataset):
+    """Random augmentation and a little work per sample, so that tasks are in flight on a
+    node when it goes away."""
+
+    def __len__(self) -> int:
+        return 48
+
+    def __getitem__(self, i: int):
+        time.sleep(0.02)
+        return {"index": i, "noise": torch.rand(3, 4)}
+
+
+def test_a_lost_node_loses_nothing(cluster):
+    """A node with both workers on it goes away in the second epoch of persistent workers:
+    their unanswered tasks run again on new actors, which start at that epoch, and with
+    deterministic=True both epochs are those of a run without the loss."""
+    doomed = cluster.add_node(num_cpus=2)
+    cluster.wait_for_nodes()
+    kwargs = {"batch_size": 4, "shuffle": True, "num_workers": 2, "deterministic": True,
+              "persistent_workers": True}
+    torch.manual_seed(11)
+    loader = FastLoader(SlowRandomDataset(), **kwargs)  # worker processes, nothing lost
+    expected = [list(loader) for _ in range(2)]
+    options = {"num_cpus": 1,  # there while it lives, elsewhere after
+               "scheduling_strategy": NodeAffinitySchedulingStrategy(doomed.node_id, soft=True)}
+    torch.manual_seed(11)
+    loader = FastLoader(SlowRandomDataset(), worker_mode="ray", ray_options=options, **kwargs)
+    actual = [list(loader)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        iterator = iter(loader)
+        actual.append([next(iterator) for _ in range(3)])
+        cluster.remove_node(doomed, allow_graceful=False)
+        actual[1] += list(iterator)
+    assert any("was lost" in str(w.message) for w in caught), "the node went with no worker"
+    indices = [i for batch in actual[1] for i in batch["index"].tolist()]
+    assert sorted(indices) == list(range(48)), "a sample was lost or repeated"
+    assert_same(expected, actual)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank(rank: int, address: str, port: int, out: str) -> None:
+    """One DDP rank: its own FastLoader on the cluster, side by side with torch's."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+    try:
+        dataset = TensorDataset(n=30)
+        loaders = [cls(dataset, batch_size=4, num_workers=1,
+                       sampler=DistributedSampler(dataset, shuffle=True, seed=5), **options)
+                   for cls, options in ((DataLoader, {}), (FastLoader, {"worker_mode": "ray"}))]
+        expected, actual = (list(loader) for loader in loaders)
+        assert_same(expected, actual)
+        labels = [label for _, batch in actual for label in batch.tolist()]
+        gathered: list = [None, None]
+        dist.all_gather_object(gathered, labels)
+        if rank == 0:
+            with open(out, "w") as f:
+                json.dump(gathered, f)
+    finally:
+        ray.shutdown()
+        dist.destroy_process_group()
+
+
+def test_two_ddp_ranks_each_with_its_loader_on_the_cluster(cluster, tmp_path):
+    out = tmp_path / "labels.json"
+    mp.spawn(_rank, args=(cluster.address, _free_port(), str(out)), nprocs=2, join=True)
+    shards = [set(labels) for labels in json.loads(out.read_text())]
+    assert not shards[0] & shards[1] and shards[0] | shards[1] == set(range(30))
+
+
+def test_num_workers_auto_grows_into_the_clusters_free_cpus(cluster):
+    free = int(ray.available_resources()["CPU"])
+    loader = FastLoader(TensorDataset(), num_workers="auto", worker_mode="ray")
+    assert loader._max_workers == free
+    assert 1 <= loader.num_workers <= free
+    two_cpus = FastLoader(TensorDataset(), num_workers="auto", worker_mode="ray",
+                          ray_options={"num_cpus": 2})
+    assert two_cpus._max_workers == free // 2
