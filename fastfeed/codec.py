@@ -196,6 +196,7 @@ class _SlotUnpickler(pickle.Unpickler):
         self._placed = placed
         self._storages: dict[tuple[int, int], torch.Tensor] = {}
         self._rebuilt: dict[int, Any] = {}  # serial -> object
+        self.views: list[Any] = []  # the objects rebuilt over the lease
 
     def persistent_load(self, pid: Any) -> Any:
         serial = pid[1]
@@ -228,9 +229,9 @@ class _SlotUnpickler(pickle.Unpickler):
         kind = pid[0]
         if kind == "tensor":
             _, _, region, length, element_offset, shape, stride, dtype = pid
-            return torch.as_strided(self._storage(region, length, dtype), shape, stride,
-                                    element_offset)
-        if kind == "array":
+            view: Any = torch.as_strided(self._storage(region, length, dtype), shape, stride,
+                                         element_offset)
+        elif kind == "array":
             _, _, offset, shape, dtype, order = pid
             assert self._lease is not None
             count = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
@@ -240,13 +241,21 @@ class _SlotUnpickler(pickle.Unpickler):
             # chain of array views past the lease, and a tensor's memory can be moved away
             # (share_memory_(), a torch.multiprocessing queue) and the lease with it.
             window = self._lease.data[offset : offset + count]  # a memoryview of the lease
-            return np.frombuffer(window, dtype=dtype).reshape(shape, order=order)
-        raise pickle.UnpicklingError(f"unknown fastfeed persistent id {kind!r}")
+            view = np.frombuffer(window, dtype=dtype).reshape(shape, order=order)
+        else:
+            raise pickle.UnpicklingError(f"unknown fastfeed persistent id {kind!r}")
+        self.views.append(view)
+        return view
 
 
 def decode(message: Encoded, lease: Lease | None) -> Any:
     """Main side: rebuild the batch; its arrays are views of the lease's memory (see
-    :meth:`fastfeed.ring.SlotRing.lease`), which they keep alive."""
+    :meth:`fastfeed.ring.SlotRing.lease`), which they keep alive, and the lease records them
+    (:attr:`Lease.views <fastfeed.ring.Lease>`)."""
     memory = None if lease is None else lease.memory
     placed = pickle.loads(message.placed) if message.placed else {}
-    return _SlotUnpickler(io.BytesIO(message.payload), memory, placed).load()
+    unpickler = _SlotUnpickler(io.BytesIO(message.payload), memory, placed)
+    batch = unpickler.load()
+    if lease is not None:
+        lease.views = tuple(unpickler.views)
+    return batch

@@ -2,8 +2,8 @@
 
 Each host batch is copied ``non_blocking`` from page-locked memory on one copy stream per
 loader, and ``gpu_transform`` runs on that stream right after the copy. An event marks the end
-of that work; the ring slots the copy read are fenced with it, the consumer's stream waits on
-it, and every device tensor is marked with ``record_stream`` (:class:`StreamCopier`).
+of that work; the batch's ring slot is fenced with it, the consumer's stream waits on it, and
+every device tensor is marked with ``record_stream`` (:class:`StreamCopier`).
 
 On ``device="cpu"`` the same path runs without streams or events (:class:`HostCopier`).
 """
@@ -14,6 +14,7 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
 import numpy as np
@@ -21,6 +22,7 @@ import torch
 
 from fastfeed.iterators.base import HostBatch
 from fastfeed.placement import local_cuda_index
+from fastfeed.ring import Lease
 from fastfeed.telemetry import Telemetry, batch_length
 from fastfeed.tree import map_arrays, map_tensors
 
@@ -59,10 +61,11 @@ def check_device(device: str | int | torch.device) -> torch.device:
 def resolve_device(device: str | int | torch.device) -> torch.device:
     """:func:`check_device`, with the index of this process's GPU filled in.
 
-    A bare ``"cuda"`` means ``LOCAL_RANK``'s GPU when the process sees several (torchrun),
-    GPU 0 when it sees one (a launcher that sets ``CUDA_VISIBLE_DEVICES`` per rank), else the
-    current device (see :func:`fastfeed.placement.local_cuda_index`). Call it when the
-    training script has chosen its device, not before.
+    A bare ``"cuda"`` means GPU 0 when the process sees one (a launcher that sets
+    ``CUDA_VISIBLE_DEVICES`` per rank); else the device the script chose with
+    ``torch.cuda.set_device`` (any but 0), else ``LOCAL_RANK``'s GPU (torchrun), else GPU 0
+    (see :func:`fastfeed.placement.local_cuda_index`). Call it when the training script has
+    chosen its device, not before.
 
     Raises:
         ValueError: the string is not a device, CUDA is requested but unavailable, or the
@@ -77,14 +80,33 @@ def resolve_device(device: str | int | torch.device) -> torch.device:
     return torch.device("cuda", index)
 
 
+def _dense(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s elements fill a block of memory, each once, in some order of its
+    dimensions (contiguous, channels_last, a transpose): a copy then reads it as one span."""
+    if tensor.is_contiguous():
+        return True
+    expected = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(tensor.shape, tensor.stride(),
+                                                           strict=True) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def pinned_source(tensor: torch.Tensor) -> torch.Tensor:
     """What a ``non_blocking`` host-to-device copy of ``tensor`` should read.
 
-    Page-locked memory (a registered ring slot, torch's pinned pool) as it is. Anything else
-    is copied into torch's pinned pool first: from pageable memory a "non_blocking" copy is
-    staged synchronously, and torch's pool keeps its block until the copy's stream is done.
+    The copy engine reads page-locked memory (a registered ring slot, torch's pinned pool)
+    where it lies when the tensor is dense; that is returned as it is. Anything else is copied
+    into torch's pinned pool first: from pageable memory a "non_blocking" copy is staged
+    synchronously, and torch makes a non-dense source contiguous in pageable memory before it
+    copies (the same). The pool's block is dense in the tensor's own layout, and torch keeps it
+    until the copy's stream has read it.
     """
-    return tensor if tensor.is_pinned() else tensor.pin_memory()
+    if _dense(tensor) and tensor.is_pinned():
+        return tensor
+    return torch.empty_like(tensor, pin_memory=True).copy_(tensor)
 
 
 class HostCopier:
@@ -93,10 +115,15 @@ class HostCopier:
     def __init__(self, device: torch.device) -> None:
         self.device = device
 
-    def copy(self, host_batch: Any, transform: Callable[[Any], Any] | None,
-             telemetry: Telemetry) -> tuple[Any, Any, list[torch.Tensor]]:
-        """Copy (and transform) a batch; return it, its event and the host tensors read."""
-        return _timed_copy(host_batch, lambda t: t.to(self.device), transform, telemetry), None, []
+    def copy(self, host: HostBatch, transform: Callable[[Any], Any] | None,
+             telemetry: Telemetry) -> tuple[Any, Any]:
+        """Copy (and transform) a batch; return it and the event that marks the end of that
+        work (None: there is none)."""
+        batch = _timed(telemetry, "transfer", map_tensors, lambda t: t.to(self.device),
+                       host.batch)
+        if transform is not None:
+            batch = _timed(telemetry, "gpu_transform", transform, batch)
+        return batch, None
 
     def hand_over(self, batch: Any, event: Any) -> None:
         """Make ``batch`` safe to use on the consumer's stream."""
@@ -105,15 +132,23 @@ class HostCopier:
 class StreamCopier:
     """Copies batches to a CUDA device on a side stream: the CUDA stream rules in one place.
 
-    * Every copy reads page-locked memory (:func:`pinned_source`), so it is asynchronous.
-    * Numpy leaves are copied out of the slot on the host: the user may copy them, unfenced.
-    * The copy and ``gpu_transform`` run on ``stream``; an event recorded after them marks
-      the end of everything that reads the host batch. The caller fences the batch's ring
-      slot (its lease) with that event: the slot is not reused before it completes, whatever
-      happens to the host batch (DESIGN.md invariant 2).
+    * Every copy reads page-locked, dense memory (:func:`pinned_source`), so it is
+      asynchronous; a tensor already on the device (a dataset that makes CUDA tensors, with
+      ``num_workers=0``) is read on the copy stream after the stream it was made on.
+    * Every tensor is reached, in any container pickle can rebuild (:func:`map_tensors`
+      ``deep``). The codec records every view it made of the batch's slot; one the walk did
+      not reach would go to the user as a view of a page-locked slot, which a copy of theirs
+      could read after the slot is reused: that batch is refused (``TypeError``).
+    * The copy and ``gpu_transform`` run on ``stream``; an event recorded after them, however
+      they end, fences the batch's ring slot (its lease): the slot is not reused before the
+      event completes, whatever happens to the host batch (DESIGN.md invariant 2).
+    * Numpy leaves stay on the host. The transform reads them in the slot (nvjpeg's encoded
+      files); those it passes on are copied out of the slot after it, since the user may copy
+      them to the GPU themselves, unfenced.
     * The consumer's current stream waits on the event, and every device tensor is marked
       with ``record_stream`` so that the caching allocator does not reuse its memory while
-      the consumer's stream may still read it.
+      that stream may still read it. A stream the consumer switches to later is theirs to
+      order (``stream.wait_stream(torch.cuda.current_stream())``, ``record_stream``).
     * Nothing here waits on the GPU from the host.
     """
 
@@ -121,52 +156,92 @@ class StreamCopier:
         self.device = device
         self.stream = stream
 
-    def copy(self, host_batch: Any, transform: Callable[[Any], Any] | None,
-             telemetry: Telemetry) -> tuple[Any, Any, list[torch.Tensor]]:
-        read: list[torch.Tensor] = []
+    def copy(self, host: HostBatch, transform: Callable[[Any], Any] | None,
+             telemetry: Telemetry) -> tuple[Any, Any]:
+        """Copy (and transform) a batch; return it and the event that marks the end of that
+        work."""
+        producer = torch.cuda.current_stream(self.device)
+        moved: set[int] = set()
+        waited = False
 
         def move(tensor: torch.Tensor) -> torch.Tensor:
-            source = pinned_source(tensor)
-            if source is tensor:
-                read.append(tensor)  # the copy engine reads the host batch's own memory
-            return source.to(self.device, non_blocking=True)
+            nonlocal waited
+            moved.add(id(tensor))
+            if tensor.device == self.device:  # read on the copy stream, and maybe freed
+                if not waited:
+                    waited = True
+                    self.stream.wait_stream(producer)
+                tensor.record_stream(self.stream)
+                return tensor
+            if tensor.is_cuda:  # torch orders a peer copy on both devices' current streams
+                return tensor.to(self.device, non_blocking=True)
+            return pinned_source(tensor).to(self.device, non_blocking=True)
 
-        # Numpy leaves stay on the host, where the user may copy them to the GPU themselves
-        # (torch.from_numpy(x).cuda(non_blocking=True)), unseen by the slot's fence: they get
-        # memory of their own, not a view of a page-locked slot.
-        host_batch = map_arrays(np.copy, host_batch)
-        with torch.cuda.stream(self.stream):
-            batch = _timed_copy(host_batch, move, transform, telemetry)
-            event = torch.cuda.Event()
+        event = torch.cuda.Event()
+        try:
+            with torch.cuda.stream(self.stream):
+                batch = _timed(telemetry, "transfer", map_tensors, move, host.batch, deep=True)
+                _check_reached(host, moved)
+                if transform is not None:
+                    batch = _timed(telemetry, "gpu_transform", transform, batch)
+        finally:
+            # Once a copy is queued, however this ends (a transform that raises, a batch
+            # refused), the slot waits for the stream to have read it.
             event.record(self.stream)
-        return batch, event, read
+            if host.lease is not None:
+                host.lease.fence(event)
+        return _out_of_slot(batch, host.lease), event
 
     def hand_over(self, batch: Any, event: Any) -> None:
         consumer = torch.cuda.current_stream(self.device)
         consumer.wait_event(event)
 
         def mark(tensor: torch.Tensor) -> torch.Tensor:
-            if tensor.is_cuda:
+            if tensor.device == self.device:
                 tensor.record_stream(consumer)
             return tensor
 
-        map_tensors(mark, batch)
+        map_tensors(mark, batch, deep=True)
 
 
 Copier = HostCopier | StreamCopier
 
 
-def _timed_copy(host_batch: Any, move: Callable[[torch.Tensor], torch.Tensor],
-                transform: Callable[[Any], Any] | None, telemetry: Telemetry) -> Any:
-    # On CUDA these are the host-side times to enqueue the work, not the GPU's.
+def _timed(telemetry: Telemetry, stage: str, fn: Callable[..., Any], *args: Any,
+           **kwargs: Any) -> Any:
+    # On CUDA, the host-side time to enqueue the work, not the GPU's.
     start = time.perf_counter()
-    batch = map_tensors(move, host_batch)
-    copied = time.perf_counter()
-    telemetry.add_stage("transfer", copied - start)
-    if transform is not None:
-        batch = transform(batch)
-        telemetry.add_stage("gpu_transform", time.perf_counter() - copied)
-    return batch
+    result = fn(*args, **kwargs)
+    telemetry.add_stage(stage, time.perf_counter() - start)
+    return result
+
+
+def _check_reached(host: HostBatch, moved: set[int]) -> None:
+    """Refuse a batch with a tensor in its ring slot that the copy did not reach."""
+    if host.lease is None:
+        return
+    missed = sum(isinstance(view, torch.Tensor) and id(view) not in moved
+                 for view in host.lease.views)
+    if missed:
+        raise TypeError(
+            f"FastLoader(device=...) cannot reach {missed} tensor(s) of a batch of type "
+            f"{type(host.batch).__name__}: they would stay on the host as views of a "
+            "page-locked ring slot, which a later copy of yours could read after the slot is "
+            "reused. Return dicts, lists, tuples, namedtuples, dataclasses or an object that "
+            "pickle can rebuild from collate_fn.")
+
+
+def _out_of_slot(batch: Any, lease: Lease | None) -> Any:
+    """``batch`` with every numpy array that is a view of ``lease``'s slot copied out of it."""
+    if lease is None or not any(isinstance(view, np.ndarray) for view in lease.views):
+        return batch
+    start = lease.memory.ctypes.data
+    end = start + lease.memory.nbytes
+
+    def copy_out(array: np.ndarray) -> np.ndarray:
+        return np.copy(array) if start <= array.__array_interface__["data"][0] < end else array
+
+    return map_arrays(copy_out, batch, deep=True)
 
 
 class HostIterator(Protocol):
@@ -194,6 +269,10 @@ class DeviceIterator:
     fenced with the copy's event through the batch's lease, and memory from torch's pinned
     pool is guarded by torch. So neither an abandoned iterator nor a slow consumer can let a
     slot be rewritten under a copy still queued.
+
+    A ``transform`` whose ``blocks_host`` attribute is true (it waits for the GPU inside, as
+    torchvision's JPEG decoder does) runs with its copy in a helper thread, so that the
+    training thread goes on queueing its own work meanwhile; batches still come in order.
     """
 
     def __init__(
@@ -209,8 +288,10 @@ class DeviceIterator:
         self._telemetry = telemetry or Telemetry()
         self._depth = depth
         self._transform = transform
-        # (device batch, event, where the host stood after handing its batch over)
-        self._ready: deque[tuple[Any, Any, Any]] = deque()
+        self._helper = (ThreadPoolExecutor(1, thread_name_prefix="fastfeed-copy")
+                        if getattr(transform, "blocks_host", False) else None)
+        # ((device batch, event) or its Future, where the host stood after handing it over)
+        self._ready: deque[tuple[Any, Any]] = deque()
         self._exhausted = False
         # Batches copied ahead are not delivered yet: resume from the last delivered one.
         self._delivered_at = host.position()
@@ -230,19 +311,21 @@ class DeviceIterator:
         slots those copies read until they complete)."""
         self._ready.clear()
         self._exhausted = True
+        if self._helper is not None:
+            self._helper.shutdown(wait=False, cancel_futures=True)
         self._host.close()
 
     def _fill(self) -> None:
         while not self._exhausted and len(self._ready) < self._depth:
             try:
-                host_batch, lease = self._host.next_host_batch()
+                host = self._host.next_host_batch()
             except StopIteration:
                 self._exhausted = True
                 return
-            batch, event, read = self._copier.copy(host_batch, self._transform, self._telemetry)
-            if event is not None and read and lease is not None:
-                lease.fence(event)
-            self._ready.append((batch, event, self._host.position()))
+            args = (host, self._transform, self._telemetry)
+            copied = (self._copier.copy(*args) if self._helper is None
+                      else self._helper.submit(self._copier.copy, *args))
+            self._ready.append((copied, self._host.position()))
 
     def __next__(self) -> Any:
         requested = time.perf_counter()
@@ -250,7 +333,8 @@ class DeviceIterator:
         if not self._ready:
             self._delivered_at = self._host.position()
             raise StopIteration
-        batch, event, self._delivered_at = self._ready.popleft()
+        copied, self._delivered_at = self._ready.popleft()
+        batch, event = copied.result() if isinstance(copied, Future) else copied
         if event is not None:
             self._copier.hand_over(batch, event)
         self._telemetry.delivered(requested, batch_length(batch, auto_collation=True))

@@ -1,5 +1,6 @@
 """Device prefetch: the CPU path everywhere, the CUDA path where a GPU is present."""
 
+import dataclasses
 import gc
 
 import pytest
@@ -133,20 +134,48 @@ def test_batches_arrive_on_the_device():
 
 @pytest.mark.gpu
 def test_stream_safety_under_a_slow_consumer():
-    # A long kernel on the consumer stream while later batches are copied: no batch the user
-    # holds may ever change. Each batch is compared with torch's on the host afterwards.
+    # A long kernel on the consumer stream, then a read of the batch queued behind it; the
+    # batch is dropped at once (its read still queued) while later batches are copied: neither
+    # a slot nor a freed batch's memory may be reused under a read. What each read saw is
+    # compared with torch's batches on the host afterwards.
     expected = list(DataLoader(TensorDataset(n=96, shape=(3, 64, 64)), batch_size=8, num_workers=2))
     loader = FastLoader(TensorDataset(n=96, shape=(3, 64, 64)), batch_size=8, num_workers=2,
                         device="cuda", prefetch_depth=4, ring_slots=8)
     big = torch.randn(4096, 4096, device="cuda")
-    held = []
+    seen = []
     for batch in loader:
         for _ in range(4):
             big = big @ big / 64  # keeps the consumer stream busy
-        held.append(batch)
+        seen.append(tuple(t.clone() for t in batch))
     torch.cuda.synchronize()
     assert_same([tuple(t.cpu() for t in e) for e in expected],
-                [tuple(t.cpu() for t in b) for b in held])
+                [tuple(t.cpu() for t in s) for s in seen])
+
+
+@dataclasses.dataclass
+class Pair:
+    images: torch.Tensor
+    labels: torch.Tensor
+
+
+def collate_pair(samples):
+    return Pair(torch.stack([image for image, _ in samples]),
+                torch.tensor([label for _, label in samples]))
+
+
+@pytest.mark.gpu
+def test_a_dataclass_batch_arrives_on_the_device():
+    dataset = TensorDataset(n=64, shape=(3, 32, 32))
+    loader = FastLoader(dataset, batch_size=8, num_workers=2, device="cuda",
+                        collate_fn=collate_pair)
+    expected = list(DataLoader(dataset, batch_size=8, num_workers=2, collate_fn=collate_pair))
+    seen = []
+    for batch in loader:
+        assert isinstance(batch, Pair) and batch.images.is_cuda and batch.labels.is_cuda
+        seen.append((batch.images.clone(), batch.labels.clone()))
+    torch.cuda.synchronize()
+    assert_same([(e.images, e.labels) for e in expected],
+                [(i.cpu(), label.cpu()) for i, label in seen])
 
 
 @pytest.mark.gpu
@@ -166,13 +195,19 @@ def test_device_memory_is_flat_across_epochs():
 
 @pytest.mark.gpu
 def test_pin_memory_batches_are_pinned_copies():
-    # pin_memory=True: the user copies, so batches are copied into torch's pinned pool and the
-    # slots stay pageable.
+    # pin_memory=True: the user copies, so batches are copied into torch's pinned pool (the
+    # only pinned memory torch guards), never handed out as views of a slot, and the slots
+    # stay pageable.
     loader = FastLoader(TensorDataset(n=64), batch_size=4, num_workers=2, pin_memory=True,
                         persistent_workers=True)
     list(loader)
-    assert all(batch[0].is_pinned() for batch in loader)
-    assert not any(slot.pinned for slot in loader._ring._slots.values())
+    for batch in loader:
+        for tensor in batch:
+            address = tensor.data_ptr()
+            assert tensor.is_pinned()
+            assert not any(s.address <= address < s.address + s.nbytes
+                           for s in loader._ring._slots.values())
+    assert not any(torch.from_numpy(s.memory).is_pinned() for s in loader._ring._slots.values())
 
 
 @pytest.mark.gpu

@@ -1,17 +1,22 @@
 """The CUDA rules of the batch path, each held by one small mechanism, checked on a CPU.
 
-No GPU runs these: events are objects the tests hold incomplete, the copy engine is a fake
-that reads raw memory only when its event completes (as DMA would), and the CUDA runtime of
-the pinning code is a recorder. Each test fails when its rule is broken.
+No GPU runs these. The ring's own rules are checked with events the tests hold incomplete; the
+copy path runs for real on the CUDA device that ``cuda_model`` models: a copy reads a slot by
+address when its stream runs, so a slot rewritten too early shows up as a wrong batch, and the
+runtime behind ``cudaHostRegister`` is the model's (or, for reading its errors back, a real
+shared library compiled for the test). Each test fails when its rule is broken.
 """
 
 import contextlib
 import ctypes
 import gc
 import os
+import shutil
+import subprocess
 import threading
 import warnings
 
+import cuda_model
 import numpy as np
 import pytest
 import torch
@@ -21,10 +26,9 @@ from torch.utils.data import DataLoader
 
 import fastfeed.ring.slots as ring_module
 from fastfeed import FastLoader
-from fastfeed.device import DeviceIterator, StreamCopier, pinned_source
-from fastfeed.pinning import Pinner
+from fastfeed.pinning import Pinner, TorchCudaRuntime
 from fastfeed.ring import Arena, SlotOwnershipError, SlotRing
-from fastfeed.telemetry import Telemetry
+from fastfeed.tree import map_tensors
 
 
 class HeldEvent:
@@ -191,77 +195,54 @@ def test_closing_the_ring_waits_for_copies_still_reading_it():
     assert event.done
 
 
-class DmaCopier:
-    """A copy engine that reads a ring slot only when its event completes, by address, holding
-    no Python reference to the batch: what a ``cudaMemcpyAsync`` queued behind other work
-    does. Memory outside the ring is staged at once, as ``pinned_source`` stages it into
-    torch's pinned pool."""
-
-    def __init__(self, ring):
-        self.ring = ring
-        self.events = []
-
-    def in_slot(self, tensor):
-        address = tensor.data_ptr()
-        return any(s.address <= address < s.address + s.nbytes for s in self.ring._slots.values())
-
-    def copy(self, host_batch, transform, telemetry):
-        holder = [None] * len(host_batch)
-        queued = []
-        for i, tensor in enumerate(host_batch):
-            if self.in_slot(tensor):
-                queued.append((i, tensor.data_ptr(), tensor.shape, tensor.dtype))
-            else:
-                holder[i] = tensor.clone()
-
-        def read():
-            for i, address, shape, dtype in queued:
-                raw = bytearray(ctypes.string_at(address, _nbytes(shape, dtype)))
-                holder[i] = torch.frombuffer(raw, dtype=dtype).reshape(shape)
-
-        event = HeldEvent(read)
-        self.events.append(event)
-        return holder, event, [t for t in host_batch if self.in_slot(t)]
-
-    def hand_over(self, batch, event):
-        pass
+@pytest.fixture
+def gpu(monkeypatch):
+    return cuda_model.install(monkeypatch, cuda_model.Gpu())
 
 
-def _nbytes(shape, dtype):
-    return int(np.prod(shape)) * dtype.itemsize
+def on_host(gpu, batches):
+    return [map_tensors(gpu.read, batch) for batch in batches]
 
 
 @pytest.mark.parametrize("abandon", [False, True])
-def test_no_slot_is_rewritten_under_a_queued_copy(abandon):
-    # Copies stay queued until the end; workers keep producing meanwhile. Every batch the
-    # copy engine finally reads must be the one it was given.
+def test_no_slot_is_rewritten_under_a_queued_copy(gpu, abandon):
+    # The device runs nothing until the end: every copy stays queued while the workers go on
+    # writing batches into whatever slot the ring hands out, this epoch and the next. The
+    # bytes each copy finally reads must be its own batch's.
     dataset = TensorDataset(n=96, shape=(3, 16, 16))
     expected = list(DataLoader(dataset, batch_size=4, num_workers=2))
-    loader = FastLoader(dataset, batch_size=4, num_workers=2, ring_slots=3,
+    loader = FastLoader(dataset, batch_size=4, num_workers=2, ring_slots=3, device="cuda",
                         persistent_workers=True)
-    list(loader)  # the ring learns the batch size
-    copier = DmaCopier(loader._ring)
-    device = DeviceIterator(iter(loader), copier, depth=2, transform=None,
-                            telemetry=Telemetry())
     got = []
-    for i, batch in enumerate(device):
+    for i, batch in enumerate(loader):
         got.append(batch)
         if abandon and i == 10:
             break
     used, allocated = loader._ring.occupancy
     assert used == allocated  # every slot a copy read is still fenced
-    del device
     gc.collect()
-    # The next epoch runs while those copies are still queued: it may take any slot the
-    # ring hands out, and must not get one a queued copy still reads.
-    assert_same(expected, list(loader))
-    for event in copier.events:
-        event.complete()
-    assert_same(expected[:len(got)], got)
+    again = list(loader)
+    gpu.run()
+    assert_same(expected[:len(got)], on_host(gpu, got))
+    assert_same(expected, on_host(gpu, again))
+    assert gpu.syncs_in("MainThread") == []
     assert loader._ring.occupancy[0] == 0
 
 
-# -- which memory the user copies from -----------------------------------------------------------
+def test_the_model_shows_a_slot_rewritten_under_a_copy_nothing_fences(gpu, monkeypatch):
+    # The stand-in can fail: without the fence, the ring hands a slot out again while its copy
+    # is queued, and the copy reads the next batch's bytes.
+    monkeypatch.setattr(ring_module.Lease, "fence", lambda self, fence: None)
+    dataset = TensorDataset(n=48, shape=(3, 16, 16))
+    loader = FastLoader(dataset, batch_size=4, num_workers=2, ring_slots=3, device="cuda")
+    got = list(loader)
+    gpu.run()
+    expected = list(DataLoader(dataset, batch_size=4, num_workers=2))
+    assert any(not torch.equal(e[0], g[0]) for e, g in zip(expected, on_host(gpu, got),
+                                                          strict=True))
+
+
+# -- which memory each copy reads ---------------------------------------------------------------
 
 def test_slots_are_page_locked_only_when_fastfeed_owns_the_copy(monkeypatch):
     # With pin_memory=True the user drives the copy (x.cuda(non_blocking=True) on any stream);
@@ -279,54 +260,48 @@ def test_slots_are_page_locked_only_when_fastfeed_owns_the_copy(monkeypatch):
     assert setup.ring.pin == Pinner(1) and not setup.pin_batches
 
 
-def test_copies_read_pinned_memory_and_report_the_slots_they_read(monkeypatch):
-    # Pageable sources are staged through torch's pinned pool (which torch guards), pinned
-    # ones are read in place and fenced; nothing waits on the GPU.
-    pinned = torch.arange(8)
-    pageable = torch.arange(8, 16)
-    pinned_ids = {id(pinned)}
-    staged = []
+def slot_holding(loader, tensor):
+    address = tensor.data_ptr()
+    return any(s.address <= address < s.address + s.nbytes for s in loader._ring._slots.values())
 
-    def pin_memory(tensor):
-        copy = tensor.clone()
-        pinned_ids.add(id(copy))
-        staged.append(tensor)
-        return copy
 
-    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda t: id(t) in pinned_ids)
-    monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
+@pytest.mark.filterwarnings("ignore:'pin_memory' argument is set as true")
+def test_pin_memory_batches_are_copies_in_torchs_pool_never_the_slot(gpu):
+    # The user copies these, on any stream: only memory of torch's pinned pool is guarded by
+    # torch's events, so the batch must be a copy there, never a view of a slot.
+    loader = FastLoader(TensorDataset(n=32), batch_size=4, num_workers=2, pin_memory=True,
+                        persistent_workers=True)
+    for _epoch in range(2):
+        for images, labels in loader:
+            assert images.is_pinned() and labels.is_pinned()
+            assert not slot_holding(loader, images) and not slot_holding(loader, labels)
+    assert not gpu.registered  # and the slots are not page-locked
 
-    class Stream:
-        def synchronize(self):
-            raise AssertionError("host sync in the copy path")
 
-        def wait_event(self, event):
-            self.waited = event
-
-    consumer = Stream()
-    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: consumer)
-    monkeypatch.setattr(torch.cuda, "Event", lambda: HeldEvent())
-    monkeypatch.setattr(HeldEvent, "record", lambda self, stream: None, raising=False)
-
-    copier = StreamCopier(torch.device("cpu"), Stream())
-    boxes = np.arange(12).reshape(3, 4)  # stands for a numpy leaf in a page-locked slot
-    batch, event, read = copier.copy([pinned, pageable, {"boxes": boxes}], None, Telemetry())
-    assert [t is pinned for t in read] == [True] and staged == [pageable]
-    assert_same(batch[:2], [pinned, pageable])
-    # Numpy leaves stay on the host, for the user to copy as they like: not a view of the slot
-    assert np.array_equal(batch[2]["boxes"], boxes)
-    assert not np.shares_memory(batch[2]["boxes"], boxes)
-    copier.hand_over(batch, event)
-    assert consumer.waited is event and not event.done
-    assert pinned_source(pinned) is pinned
+@pytest.mark.parametrize("refused", [False, True])
+def test_a_slot_is_read_in_place_only_where_it_is_page_locked(gpu, refused):
+    # A registered slot is read by the copy engine where it lies; one whose registration
+    # failed is staged through torch's pinned pool (guarded by torch), never copied
+    # synchronously from pageable memory. Either way the batches are right.
+    gpu.runtime.refuse = refused
+    dataset = TensorDataset(n=32, shape=(3, 8, 8))
+    loader = FastLoader(dataset, batch_size=4, num_workers=2, device="cuda",
+                        persistent_workers=True, ring_slots=12)
+    list(loader)  # the ring learns the batch size and registers its slots
+    gpu.run()
+    gpu.staged = 0
+    got = list(loader)
+    gpu.run()
+    assert_same(list(DataLoader(dataset, batch_size=4, num_workers=2)), on_host(gpu, got))
+    assert gpu.syncs_in("MainThread") == []
+    assert (gpu.staged > 0) == refused
 
 
 # -- pinning -------------------------------------------------------------------------------------
 
 class RecordingRuntime:
-    def __init__(self, error=0):
-        self.error = error
+    def __init__(self, error=0, readable=True):
+        self.error, self.readable = error, readable
         self.current = 0
         self.calls = []
 
@@ -345,8 +320,9 @@ class RecordingRuntime:
     def host_unregister(self, address):
         self.calls.append(("unregister", self.current))
 
-    def clear_error(self):
+    def clear_error(self, error):
         self.calls.append(("clear_error", self.current))
+        return self.readable
 
 
 def test_registration_runs_on_the_loaders_gpu_and_is_undone_there():
@@ -367,10 +343,56 @@ def test_a_failed_registration_is_read_back_and_reported_once(caplog):
     assert caplog.text.count("cudaHostRegister failed") == 1
 
 
-def test_the_ring_records_which_slots_are_page_locked():
-    ring = SlotRing(2, pin=Pinner(0, RecordingRuntime(error=1)), slot_bytes=4096)
-    _, created, _ = ring.acquire()
-    assert created[0].pinned is False
-    ring = SlotRing(2, pin=Pinner(0, RecordingRuntime()), slot_bytes=4096)
-    _, created, _ = ring.acquire()
-    assert created[0].pinned is True
+def test_an_error_no_runtime_holds_stops_registration(caplog):
+    # A runtime linked in statically: the error cannot be read back, so no slot is registered
+    # again (each failure would leave one more for torch to report against a kernel).
+    runtime = RecordingRuntime(error=1, readable=False)
+    pinner = Pinner(0, runtime)
+    assert not pinner.register(np.zeros(4096, np.uint8))
+    assert not pinner.register(np.zeros(4096, np.uint8))
+    assert runtime.calls == [("register", 0), ("clear_error", 0)]
+    assert "no CUDA runtime library" in caplog.text
+
+
+FAKE_CUDART = """
+static __thread int last_error = 0;
+int cudaHostRegister(void *ptr, unsigned long size, unsigned flags) { last_error = 1; return 1; }
+int cudaHostUnregister(void *ptr) { return 0; }
+int cudaPeekAtLastError(void) { return last_error; }
+int cudaGetLastError(void) { int error = last_error; last_error = 0; return error; }
+"""
+
+
+@pytest.fixture(scope="module")
+def two_runtimes(tmp_path_factory):
+    """Two CUDA runtimes mapped into this process, as CuPy's or TensorRT's beside torch's: the
+    first in path order is not the one torch's bindings call."""
+    compiler = shutil.which("cc")
+    if compiler is None:
+        pytest.skip("no C compiler to build the stand-in CUDA runtimes")
+    root = tmp_path_factory.mktemp("cudart")
+    source = root / "cudart.c"
+    source.write_text(FAKE_CUDART)
+    runtimes = []
+    for owner in ("a-another-package", "z-torch"):
+        (root / owner).mkdir()
+        library = root / owner / "libcudart.so.12"
+        subprocess.run([compiler, "-shared", "-fPIC", "-o", str(library), str(source)],
+                       check=True)
+        runtimes.append(ctypes.CDLL(str(library)))
+    return runtimes
+
+
+def test_a_failed_registration_is_read_back_in_the_runtime_that_holds_it(two_runtimes,
+                                                                         monkeypatch):
+    _, torchs = two_runtimes  # the other, first in path order, is not torch's
+
+    class TorchBindings:  # torch.cuda.cudart(): linked against torch's runtime
+        cudaHostRegister = torchs.cudaHostRegister
+        cudaHostUnregister = torchs.cudaHostUnregister
+
+    monkeypatch.setattr(torch.cuda, "cudart", TorchBindings)
+    monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
+    assert not Pinner(0, TorchCudaRuntime()).register(np.zeros(4096, np.uint8))
+    # Left set, torch's next kernel-launch check would report it against an unrelated kernel.
+    assert torchs.cudaPeekAtLastError() == 0

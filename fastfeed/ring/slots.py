@@ -120,23 +120,21 @@ class Lease:
     """One batch's hold on a slot.
 
     ``memory`` is a uint8 view of the slot; every array of the batch views it, and the slot
-    returns to the ring when the last of those views dies. A lease on memory outside the ring
-    (a worker's slot the ring could not keep) has nothing to fence: that memory is never
-    page-locked, so a copy from it is staged before the call returns.
+    returns to the ring when the last of those views dies. ``views`` are the tensors and arrays
+    of the batch that the codec rebuilt over it (:func:`fastfeed.codec.decode` records them): a
+    reader that must see every view of a page-locked slot (the device stage) checks it did. A
+    lease on memory outside the ring (a worker's slot the ring could not keep) has nothing to
+    fence: that memory is never page-locked, so a copy from it is staged before the call returns.
     """
 
-    __slots__ = ("_ring", "_slot", "memory")
+    __slots__ = ("_ring", "_slot", "memory", "views")
 
     def __init__(self, memory: np.ndarray, ring: SlotRing | None = None,
                  slot: _Slot | None = None) -> None:
         self.memory = memory
         self._ring = ring
         self._slot = slot
-
-    @property
-    def pinned(self) -> bool:
-        """Whether the slot is page-locked: a GPU copy then reads it in place."""
-        return self._slot is not None and self._slot.pinned
+        self.views: tuple[object, ...] = ()
 
     def fence(self, fence: Fence) -> None:
         """Keep the slot from reuse until ``fence.query()`` is True."""
