@@ -26,8 +26,10 @@ def local_cuda_index(requested_index: int | None, local_rank_env: str | None,
         local_rank_env: the ``LOCAL_RANK`` environment variable, ``None`` when unset.
         visible_device_count: the CUDA devices this process sees
             (``torch.cuda.device_count()``, after ``CUDA_VISIBLE_DEVICES``).
-        current_device: ``torch.cuda.current_device()``, the answer when nothing else decides
-            (``torch.cuda.set_device`` in the user's script).
+        current_device: ``torch.cuda.current_device()``. Any device but 0 was chosen by the
+            script (``torch.cuda.set_device``, before or after the loader was made) and wins
+            over ``LOCAL_RANK``; 0 is also what a process that chose nothing sees, so it is the
+            answer only without ``LOCAL_RANK``.
 
     Returns:
         An index in ``[0, visible_device_count)``.
@@ -45,7 +47,7 @@ def local_cuda_index(requested_index: int | None, local_rank_env: str | None,
         return requested_index
     if visible_device_count == 1:
         return 0  # one GPU per process: LOCAL_RANK numbers the node's GPUs, not this process's
-    if local_rank_env is None or not local_rank_env.strip():
+    if current_device != 0 or local_rank_env is None or not local_rank_env.strip():
         return current_device
     try:
         local_rank = int(local_rank_env)

@@ -95,8 +95,26 @@ def test_ranks_draw_different_seeds(numbered, monkeypatch):
     seeds = set()
     for rank in range(3):
         as_rank(monkeypatch, rank, 3)
-        seeds.add(DaliLoader(numbered, batch_size=4, size=16, seed=7)._pipeline.seed)
+        loader = DaliLoader(numbered, batch_size=4, size=16, seed=7)
+        next(iter(loader))
+        seeds.add(loader._iterator._pipes[0].seed)
     assert len(seeds) == 3
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_an_epoch_left_early_does_not_shorten_the_next(numbered, drop_last):
+    """A ``break`` (Lightning's sanity check, ``limit_train_batches``): the next ``iter()`` is a
+    whole epoch of ``len()`` batches, every sample once, the last batch cut as it should be."""
+    loader = DaliLoader(numbered, batch_size=4, size=16, train=False, drop_last=drop_last,
+                        num_threads=1)
+    whole = [targets.tolist() for _, targets in loader]
+    for stop in (1, len(loader) - 1, len(loader)):
+        for step, _ in enumerate(loader):
+            if step + 1 == stop:
+                break
+        assert [targets.tolist() for _, targets in loader] == whole
+    assert len(whole) == len(loader)
+    assert [t for batch in whole for t in batch] == list(range(12 if drop_last else 13))
 
 
 def test_too_few_images_for_one_batch_is_a_clear_error(numbered):
@@ -117,16 +135,17 @@ def test_targets_are_on_the_images_device():
     assert images.device == labels.device == "cpu"
 
 
-def test_bare_cuda_decodes_on_this_ranks_gpu(folder, monkeypatch):
-    """A bare "cuda" in rank LOCAL_RANK of a node whose GPUs all are visible: that rank's GPU,
-    not GPU 0 in every rank (the pipeline is recorded, not built: no GPU here)."""
+def on_two_gpus(monkeypatch, current=0):
+    """What DaliLoader sees on a machine with two visible GPUs; returns the pipeline's
+    arguments once it is built (recorded: there is no GPU here)."""
     import nvidia.dali
     import nvidia.dali.plugin.pytorch
 
-    for name, value in (("is_available", True), ("device_count", 2), ("current_device", 0),
-                        ("is_initialized", True)):
+    state = {"current": current}
+    for name, value in (("is_available", True), ("device_count", 2), ("is_initialized", True)):
         monkeypatch.setattr(torch.cuda, name, lambda value=value: value)
-    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: state["current"])
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: state.update(current=index))
     built = {}
 
     def record_pipeline(function):
@@ -137,9 +156,38 @@ def test_bare_cuda_decodes_on_this_ranks_gpu(folder, monkeypatch):
 
     monkeypatch.setattr(nvidia.dali, "pipeline_def", record_pipeline)
     monkeypatch.setattr(nvidia.dali.plugin.pytorch, "DALIGenericIterator",
-                        lambda *args, **kwargs: None)
+                        lambda *args, **kwargs: iter(()))
+    return built
+
+
+def test_bare_cuda_decodes_on_this_ranks_gpu(folder, monkeypatch):
+    """A bare "cuda" in rank LOCAL_RANK of a node whose GPUs all are visible: that rank's GPU,
+    not GPU 0 in every rank."""
+    built = on_two_gpus(monkeypatch)
+    monkeypatch.setenv("LOCAL_RANK", "1")
     loader = DaliLoader(folder, batch_size=8, device="cuda")
+    list(loader)
     assert built["device_id"] == 1 and loader.device == torch.device("cuda", 1)
+
+
+def test_the_gpu_a_script_sets_after_making_the_loader_is_the_one_used(folder, monkeypatch):
+    """mp.spawn, no LOCAL_RANK: each rank calls torch.cuda.set_device(rank) after building its
+    loader. DALI must decode on that GPU, not on GPU 0 in every rank."""
+    built = on_two_gpus(monkeypatch)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    loader = DaliLoader(folder, batch_size=8, device="cuda")
+    torch.cuda.set_device(1)
+    list(loader)
+    assert built["device_id"] == 1
+
+
+@pytest.mark.gpu
+def test_gpu_pipeline_after_a_break_yields_whole_epochs(numbered):
+    loader = DaliLoader(numbered, batch_size=4, size=32, train=False, device="cuda")
+    for _ in loader:
+        break
+    targets = [t.cpu() for _, t in loader]
+    assert len(targets) == len(loader) and torch.cat(targets).tolist() == list(range(13))
 
 
 @pytest.mark.gpu

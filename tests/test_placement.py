@@ -20,6 +20,13 @@ def test_several_visible_gpus_follow_local_rank():
     assert local_cuda_index(None, " 3 ", visible_device_count=4, current_device=0) == 3
 
 
+def test_a_device_the_script_set_wins_over_local_rank():
+    # torch.cuda.set_device(2) in a rank torchrun numbered 0 (a rank that drives another GPU
+    # than its number, or a script that maps ranks to GPUs itself): its batches go to GPU 2.
+    assert local_cuda_index(None, "0", visible_device_count=4, current_device=2) == 2
+    assert local_cuda_index(None, "3", visible_device_count=4, current_device=1) == 1
+
+
 def test_without_local_rank_the_current_device_decides():
     assert local_cuda_index(None, None, visible_device_count=4, current_device=1) == 1
     assert local_cuda_index(None, "", visible_device_count=4, current_device=2) == 2

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from fastfeed.device import resolve_device
+from fastfeed.device import check_device, resolve_device
 from fastfeed.vision.folder import ImageFolder
 
 __all__ = ["DaliLoader", "epoch_batches", "rank_seed"]
@@ -94,21 +94,23 @@ class DaliLoader:
         size: output side.
         train: random-resized crop (scale 0.08–1, ratio 3/4–4/3), flip and shuffling; else the
             central 87.5 % crop in file order.
-        device: ``"cuda[:N]"`` decodes on that GPU (a bare ``"cuda"``: this process's GPU, as
-            :class:`~fastfeed.FastLoader` resolves it); ``None``/``"cpu"`` runs DALI's
-            CPU-only mode.
+        device: ``"cuda[:N]"`` decodes on that GPU (a bare ``"cuda"``: this process's GPU,
+            resolved as :class:`~fastfeed.FastLoader` resolves it, at the first iteration);
+            ``None``/``"cpu"`` runs DALI's CPU-only mode.
         num_threads: DALI CPU threads.
         drop_last: drop the last partial batch (else it is returned short, as torch does).
         seed: the base of DALI's random seed (each rank draws from its own, :func:`rank_seed`).
         rank, world_size: this process's shard; default: ``torch.distributed``'s, else one.
+
+    Every ``iter()`` starts an epoch of ``len()`` batches, as torch's loaders do. DALI cannot
+    restart an epoch early, so when a loop left the last one unfinished (a ``break``,
+    Lightning's sanity check, ``limit_train_batches``), its rest is read and dropped first:
+    that costs its decode, and keeps every rank on DALI's epoch and shard.
     """
 
     def __init__(self, root: str | Path, batch_size: int, *, size: int = 224, train: bool = True,
                  device: Any = None, num_threads: int = 2, drop_last: bool = False,
                  seed: int = 0, rank: int | None = None, world_size: int | None = None) -> None:
-        from nvidia.dali import pipeline_def
-        from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
-
         folder = ImageFolder(root, size, train)
         files = [path for path, _ in folder.samples]
         distributed = dist.is_available() and dist.is_initialized()
@@ -117,31 +119,21 @@ class DaliLoader:
                       else dist.get_world_size() if distributed else 1)
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in a world of {world_size}")
-        self.device = resolve_device(device) if device is not None else torch.device("cpu")
-        on_gpu = self.device.type == "cuda"
+        # Which GPU a bare "cuda" means is decided when the pipeline is built, at the first
+        # iteration: a script may call torch.cuda.set_device after making the loader.
+        self.device = check_device(device) if device is not None else torch.device("cpu")
         self.batch_size, self.drop_last, self.train = batch_size, drop_last, train
         self.classes, self.class_to_idx = folder.classes, folder.class_to_idx
+        self.seed = rank_seed(seed, rank)
         self._batches, self._last_size = epoch_batches(len(files), world_size, batch_size,
                                                        drop_last)
         if self._batches == 0:  # DALI would fail later, with a less direct message
             raise ValueError(f"{len(files)} images in {world_size} shard(s) fill no batch of "
                              f"{batch_size}{' (drop_last=True)' if drop_last else ''}")
-
-        @pipeline_def
-        def pipeline():
-            return _graph(files, folder.targets, (rank, world_size), size, train, on_gpu)
-
-        self._pipeline = pipeline(batch_size=batch_size, num_threads=num_threads,
-                                  device_id=self.device.index if on_gpu else None,
-                                  seed=rank_seed(seed, rank))
-        self._pipeline.build()
-        # FILL on padded shards: every batch whole, the padding cut off in __iter__. Also with
-        # drop_last: DALI's DROP ends the iterator's epoch before the reader's, whose padded
-        # rest then came out as the next epoch's first batch (one sample, repeated).
-        self._iterator = DALIGenericIterator([self._pipeline], ["img", "label"],
-                                             reader_name="reader",
-                                             last_batch_policy=LastBatchPolicy.FILL,
-                                             auto_reset=True)
+        self._graph_args = (files, folder.targets, (rank, world_size), size, train)
+        self._num_threads = num_threads
+        self._iterator: Any = None  # DALI's, built at the first iteration
+        self._epoch_done = True  # whether DALI's current epoch was read to its end
 
     def __len__(self) -> int:
         return self._batches
@@ -149,8 +141,40 @@ class DaliLoader:
     def set_epoch(self, epoch: int) -> None:
         """Accepted for DistributedSampler-style loops; DALI's reader reshuffles every epoch."""
 
+    def _dali_iterator(self) -> Any:
+        if self._iterator is not None:
+            return self._iterator
+        from nvidia.dali import pipeline_def
+        from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
+
+        on_gpu = self.device.type == "cuda"
+        if on_gpu:
+            self.device = resolve_device(self.device)
+
+        @pipeline_def
+        def pipeline():
+            return _graph(*self._graph_args, on_gpu)
+
+        built = pipeline(batch_size=self.batch_size, num_threads=self._num_threads,
+                         device_id=self.device.index if on_gpu else None, seed=self.seed)
+        built.build()
+        # FILL on padded shards: every batch whole, the padding cut off in __iter__. Also with
+        # drop_last: DALI's DROP ends the iterator's epoch before the reader's, whose padded
+        # rest then came out as the next epoch's first batch (one sample, repeated).
+        self._iterator = DALIGenericIterator([built], ["img", "label"], reader_name="reader",
+                                             last_batch_policy=LastBatchPolicy.FILL,
+                                             auto_reset=True)
+        return self._iterator
+
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        for step, outputs in enumerate(self._iterator):
+        iterator = self._dali_iterator()
+        if not self._epoch_done:
+            # The rest of the epoch a loop left: DALI resets only at an epoch's end (read with
+            # next(), as iter() asks DALI for a reset it refuses mid-epoch).
+            while next(iterator, None) is not None:
+                pass
+        self._epoch_done = False
+        for step, outputs in enumerate(iterator):
             if step >= self._batches:
                 continue  # drop_last: the partial batch and padding, read to end the epoch
             batch = outputs[0]
@@ -158,3 +182,4 @@ class DaliLoader:
             if step == self._batches - 1:
                 images, labels = images[:self._last_size], labels[:self._last_size]
             yield images, labels
+        self._epoch_done = True

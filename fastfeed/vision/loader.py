@@ -93,13 +93,9 @@ def image_loader(
         return DaliLoader(root, batch_size, size=size, train=train, device=device,  # type: ignore[return-value]
                           drop_last=loader_kwargs.get("drop_last", False))
     if chosen == "nvjpeg":
-        from fastfeed import transforms
-        from fastfeed.vision.nvjpeg import EncodedImageFolder, NvjpegDecode, encoded_collate
+        from fastfeed.vision.nvjpeg import EncodedImageFolder, encoded_collate, nvjpeg_transform
 
-        decode = NvjpegDecode(size)
-        user_transform = loader_kwargs.pop("gpu_transform", None)
-        gpu_transform = (decode if user_transform is None
-                         else transforms.Compose([decode, user_transform]))
+        gpu_transform = nvjpeg_transform(size, loader_kwargs.pop("gpu_transform", None))
         return FastLoader(EncodedImageFolder(root, size, train, on_error=on_error),
                           batch_size=batch_size, num_workers=num_workers, device=device,
                           collate_fn=encoded_collate, gpu_transform=gpu_transform,
