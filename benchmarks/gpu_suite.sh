@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Everything that needs a GPU, for a fresh GPU machine with nothing but this repository:
-#   tests     the GPU-marked tests
+#   tests     the GPU-marked tests (among them a dataclass batch with device="cuda")
 #   pinned    ring slots of a CUDA loader are page-locked (cudaPointerGetAttributes)
-#   dali      DALI on the GPU: tests/test_dali.py, its GPU tests included (needs DALI)
-#   nvjpeg    the nvjpeg backend's GPU tests (needs torchvision)
+#   dali      DALI on the GPU: tests/test_dali.py, its GPU tests included (whole epochs after a
+#             break among them; needs DALI)
+#   nvjpeg    the nvjpeg backend's GPU tests: greyscale JPEGs, a PNG named .JPEG and a CMYK
+#             JPEG among them (needs torchvision)
 #   overhead  benchmarks/overhead.py (adds H2D from the ring against the pinned peak)
 #   train     benchmarks/train_step.py, ResNet-50 (bs 256, AMP, channels_last) and YOLO-like
 #   images    benchmarks/images.py: nvjpeg against the CPU path at 16 workers

@@ -160,6 +160,8 @@ class StreamCopier:
              telemetry: Telemetry) -> tuple[Any, Any]:
         """Copy (and transform) a batch; return it and the event that marks the end of that
         work."""
+        # The stream a device tensor of the host batch was made on: this thread's current one
+        # (in DeviceIterator's helper thread, its default stream).
         producer = torch.cuda.current_stream(self.device)
         moved: set[int] = set()
         waited = False
@@ -167,15 +169,15 @@ class StreamCopier:
         def move(tensor: torch.Tensor) -> torch.Tensor:
             nonlocal waited
             moved.add(id(tensor))
-            if tensor.device == self.device:  # read on the copy stream, and maybe freed
-                if not waited:
-                    waited = True
-                    self.stream.wait_stream(producer)
-                tensor.record_stream(self.stream)
-                return tensor
-            if tensor.is_cuda:  # torch orders a peer copy on both devices' current streams
+            if not tensor.is_cuda:
+                return pinned_source(tensor).to(self.device, non_blocking=True)
+            if tensor.device != self.device:  # torch orders a peer copy on both devices' streams
                 return tensor.to(self.device, non_blocking=True)
-            return pinned_source(tensor).to(self.device, non_blocking=True)
+            if not waited:  # read on the copy stream: after it is made, and not freed before
+                waited = True
+                self.stream.wait_stream(producer)
+            tensor.record_stream(self.stream)
+            return tensor
 
         event = torch.cuda.Event()
         try:
