@@ -338,17 +338,24 @@ def test_a_compute_bound_loop_is_sold_nothing(tmp_path):
     assert "×  from fastfeed" not in run.stdout
 
 
-@pytest.mark.parametrize("let_finish", [True, False], ids=["let-finish", "stopped"])
-def test_batches_are_unchanged_and_no_worker_outlives_the_doctor(tmp_path, let_finish):
-    plain = tmp_path / "plain.txt"
+@pytest.fixture(scope="module")
+def plain_batches(tmp_path_factory):
+    """What the script sees without the doctor."""
+    plain = tmp_path_factory.mktemp("plain") / "plain.txt"
     subprocess.run([sys.executable, str(SCRIPTS / "record_batches.py"), "--out", str(plain)],
                    check=True, timeout=60)
+    return plain.read_text().splitlines()
+
+
+@pytest.mark.parametrize("let_finish", [True, False], ids=["let-finish", "stopped"])
+def test_batches_are_unchanged_and_no_worker_outlives_the_doctor(tmp_path, plain_batches,
+                                                                 let_finish):
     watched = tmp_path / "watched.txt"
     run = doctor("--warmup", "1", "--batches", "3", *QUICK,
                  *(["--let-finish"] if let_finish else []),
                  str(SCRIPTS / "record_batches.py"), "--out", str(watched))
     assert run.returncode == 0, run.stderr
-    expected, seen = plain.read_text().splitlines(), watched.read_text().splitlines()
+    expected, seen = plain_batches, watched.read_text().splitlines()
     assert len(expected) == 24
     # Stopped, the script saw the warm-up batch and three steps; the request for the fifth
     # batch was refused.
@@ -400,3 +407,25 @@ def test_overhead_benchmark_runs(tmp_path):
     assert set(figures["loaders"]) == {"DataLoader", "FastLoader"}
     assert all(r["plain"] > 0 and r["probed"] > 0 for r in figures["loaders"].values())
     assert figures["probe_us_per_batch"] > 0 and "| FastLoader |" in out
+
+
+def test_sigterm_stops_the_script_and_its_workers(tmp_path):
+    """The measuring process has a session of its own: a terminated doctor must not leave it
+    running the script (SIGTERM reaches it as an interrupt)."""
+    import signal
+    import time
+
+    out = tmp_path / "seen.txt"
+    doctor_process = subprocess.Popen(
+        [sys.executable, "-m", "fastfeed", "doctor", "--batches", "1000", "--seconds", "600",
+         str(SCRIPTS / "record_batches.py"), "--out", str(out), "--epochs", "100000"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not Path(f"{out}.pids").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)  # until the script's workers have started
+    doctor_process.send_signal(signal.SIGTERM)
+    _, err = doctor_process.communicate(timeout=60)
+    assert doctor_process.returncode == 1
+    assert "it failed before the window closed: KeyboardInterrupt" in err
+    pids = [int(p) for p in Path(f"{out}.pids").read_text().split()]
+    assert pids and not any(alive(pid) for pid in pids)

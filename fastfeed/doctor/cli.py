@@ -7,7 +7,7 @@ window closes) is one line saying which, after the script's own error as it prin
 
 The measuring process gets a session of its own: whatever the script leaves running when that
 process has ended (a worker it forked and never stopped) is found by its process group,
-stopped, and named in the report.
+stopped, and named in the report. Ctrl-C, SIGTERM and SIGHUP reach it as an interrupt.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from fastfeed.doctor.findings import REPORT, SCRIPT_FAILED, Diagnosis
@@ -91,6 +92,40 @@ def stop_leftovers(pgid: int, settle: float = 2.0, grace: float = 5.0) -> list[i
     return stopped
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+@contextlib.contextmanager
+def _terminations_interrupt() -> Iterator[None]:
+    """SIGTERM and SIGHUP (a closed terminal, a job scheduler) interrupt the wait as Ctrl-C
+    does, so the measuring process, in a session of its own, is stopped rather than left
+    running the script."""
+    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _interrupt_child(child: subprocess.Popen[bytes], patience: float = 30.0) -> None:
+    """SIGINT, once a second until the child ends, then SIGKILL after ``patience`` seconds (or
+    a second Ctrl-C). Once is not always enough: an interrupt that lands in a ``__del__`` (a
+    DataLoader iterator shutting its workers down between epochs) is printed and ignored."""
+    deadline = time.monotonic() + patience
+    try:
+        while child.poll() is None and time.monotonic() < deadline:
+            child.send_signal(signal.SIGINT)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.wait(timeout=1.0)
+    except KeyboardInterrupt:
+        pass
+    if child.poll() is None:
+        child.kill()
+        child.wait()
+
+
 def _measure(settings: Settings, script: str, script_args: list[str]) -> Diagnosis | None:
     """Run the measuring process; its diagnosis, or ``None`` if it died without one."""
     with tempfile.TemporaryDirectory(prefix="fastfeed-doctor-") as tmp:
@@ -99,14 +134,10 @@ def _measure(settings: Settings, script: str, script_args: list[str]) -> Diagnos
                                   settings.to_json(), script, *script_args],
                                  start_new_session=True)
         try:
-            child.wait()
-        except KeyboardInterrupt:  # the child has its own session: hand it the interrupt
-            child.send_signal(signal.SIGINT)
-            try:
-                child.wait(timeout=30)
-            except (KeyboardInterrupt, subprocess.TimeoutExpired):
-                child.kill()
+            with _terminations_interrupt():
                 child.wait()
+        except KeyboardInterrupt:  # the child has its own session: hand it the interrupt
+            _interrupt_child(child)
         left = stop_leftovers(child.pid)
         if not result.exists():
             print(f"fastfeed doctor: error: the measuring process ended without a result "
