@@ -33,11 +33,13 @@ def diagnose(tmp_path: Path, *args: str) -> tuple[dict, subprocess.CompletedProc
 
 @pytest.mark.parametrize("version", ["v1", "v2"])
 def test_torchvision_transforms_are_named_and_accelerate_is_measured(tmp_path, version):
+    # One worker and a 40 ms transform: 320 ms of data per batch, against a CPU training step
+    # that a busy 2-core machine stretches past 100 ms.
     pytest.importorskip("torchvision")
     found, _ = diagnose(tmp_path, "--warmup", "2", "--batches", "5",
                         str(SCRIPTS / "train_classifier.py"), "--transforms", version,
-                        "--slow-ms", "5", "--generate", "64", "--batch-size", "8",
-                        "--size", "64")
+                        "--slow-ms", "40", "--workers", "1", "--generate", "64",
+                        "--batch-size", "8", "--size", "64")
     stages = [s["stage"] for s in found["per_sample_ms"]]
     assert stages[0] == "Sleep", stages
     converted = ["ToTensor"] if version == "v1" else ["ToImage", "ToDtype"]
