@@ -78,9 +78,11 @@ class FastLoader(DataLoader):
         device (str or torch.device, optional): deliver batches on this device. With CUDA,
             every tensor of a batch is copied ``non_blocking`` from its page-locked ring slot
             on a side stream created once per loader, ``prefetch_depth`` batches ahead; the
-            consumer's current stream waits on the copy. A bare ``"cuda"`` means
-            ``LOCAL_RANK``'s GPU under torchrun, else the current device. ``"cpu"`` runs the
-            same path without streams. Default: ``None`` (batches stay on the host).
+            consumer's current stream waits on the copy. A bare ``"cuda"`` means, at the
+            first iteration: the only GPU the process sees; else the one the script chose
+            with ``torch.cuda.set_device`` (any but 0); else ``LOCAL_RANK``'s (torchrun);
+            else GPU 0. ``"cpu"`` runs the same path without streams. Default: ``None``
+            (batches stay on the host).
         prefetch_depth (int): batches copied ahead of the consumer. Default: ``2``.
         gpu_transform (callable, optional): applied to each batch on the device, on the copy
             stream, right after the copy: for example
