@@ -22,6 +22,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from helpers import assert_same, compare, run_epochs
 from sample_datasets import (
+    BusyAfterFirst,
+    FailingDataset,
     InitTagDataset,
     MixedDataset,
     TensorDataset,
@@ -113,6 +115,27 @@ def test_worker_init_fn_and_out_of_order_delivery(cluster):
     assert {tag for batch in actual for tag in batch[:, 1].tolist()} == {1000, 1001}
     assert_same(sorted(expected, key=lambda b: b[0, 0].item()),
                 sorted(actual, key=lambda b: b[0, 0].item()))
+
+
+def test_errors_and_timeout_as_with_worker_processes(cluster):
+    """A dataset's exception is raised in its batch's turn, with torch's type and message, and
+    iteration goes on; ``timeout`` raises torch's error when no batch comes in time."""
+    kwargs = {"batch_size": 2, "num_workers": 2}
+    batches = [iter(DataLoader(FailingDataset(), **kwargs)),
+               iter(FastLoader(FailingDataset(), worker_mode="ray", **kwargs))]
+    for _ in range(2):
+        assert_same(*(next(b) for b in batches))
+    errors = []
+    for iterator in batches:
+        with pytest.raises(KeyError) as error:
+            next(iterator)
+        errors.append(str(error.value).splitlines()[0])
+    assert errors[0] == errors[1]
+    assert_same(*(list(b) for b in batches))
+    loader = FastLoader(BusyAfterFirst(), batch_size=2, num_workers=1, timeout=1,
+                        worker_mode="ray")
+    with pytest.raises(RuntimeError, match="DataLoader timed out after 1 seconds"):
+        list(loader)
 
 
 def test_iterable_dataset_same_batches(cluster):

@@ -16,9 +16,12 @@ from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
+import torch
 from torch._utils import ExceptionWrapper
 
 from fastfeed.cluster.wire import ship
+from fastfeed.collate import as_collate_into
 from fastfeed.protocol import (
     Answer,
     EpochStarted,
@@ -29,6 +32,7 @@ from fastfeed.protocol import (
     Task,
     WorkerConfig,
 )
+from fastfeed.ring.memory import ALIGN, round_up
 from fastfeed.worker import worker_loop
 
 __all__ = ["RayWorker"]
@@ -56,8 +60,8 @@ class RayWorker:
         self._loop = threading.Thread(
             target=worker_loop,
             # Never shutting down: the backend ends the actor itself.
-            args=(replace(config, dataset=dataset), self._tasks, self._replies,
-                  SimpleNamespace(value=False), None),
+            args=(replace(config, dataset=dataset, collate_fn=_ReusedMemory(config.collate_fn)),
+                  self._tasks, self._replies, SimpleNamespace(value=False), None),
             name=f"fastfeed-worker-{config.worker_id}", daemon=True)
         self._loop.start()
 
@@ -92,3 +96,37 @@ class RayWorker:
             # As a batch a worker process cannot encode: raised in the batch's turn.
             return Failed(ExceptionWrapper(where="in a DataLoader worker on Ray, pickling "
                                                  "its batch"))
+
+
+class _ReusedMemory:
+    """``collate_fn``, stacking its tensors into memory that every batch reuses (as a worker
+    process collates into a ring slot): its pages are faulted in once, not for every batch.
+
+    Reuse is safe because Ray copies a call's reply into its object store before the actor
+    runs its next call, and the loop collates a batch only when a call asks for it. Each
+    tensor gets a storage of its own size over that memory, so that only its bytes travel. A
+    batch larger than the memory takes ordinary memory for what does not fit, and the next
+    batch memory of its size. A ``collate_fn`` that allocates its own output is called as it is.
+    """
+
+    def __init__(self, collate_fn: Any) -> None:
+        self._collate_into = as_collate_into(collate_fn)
+        self._memory = np.empty(0, dtype=np.uint8)
+        self._used = 0
+
+    def __call__(self, samples: list) -> Any:
+        self._used = 0
+        batch = self._collate_into(samples, self._empty)
+        if self._used > self._memory.nbytes:
+            self._memory = np.empty(self._used, dtype=np.uint8)
+        return batch
+
+    def _empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        nbytes = dtype.itemsize
+        for size in shape:
+            nbytes *= size
+        start = round_up(self._used, ALIGN)
+        self._used = start + nbytes
+        if self._used > self._memory.nbytes:
+            return torch.empty(shape, dtype=dtype)
+        return torch.from_numpy(self._memory[start : self._used]).view(dtype).view(shape)

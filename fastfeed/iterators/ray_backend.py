@@ -213,7 +213,8 @@ class RayBackend:
         while True:
             oldest = {w.calls[0].reply: w for w in self._workers.values() if w.calls}
             remaining = max(0.0, deadline - time.monotonic())
-            if not oldest:
+            if not oldest:  # nothing owed: let the crew's checks (its timeout) run
+                time.sleep(remaining)
                 raise queue.Empty
             ready, _ = self._ray.wait(list(oldest), num_returns=1, timeout=remaining,
                                       fetch_local=True)

@@ -1,0 +1,157 @@
+"""Ray workers against worker processes on one machine: same cores, same run, interleaved.
+
+``worker_mode="ray"`` puts the workers on a cluster; here the "cluster" is this machine
+(``ray.init(num_cpus=--workers)``: as many CPUs as workers, one per actor), so the figures are
+the price of Ray itself next to process workers on the same cores. Each case runs with
+``worker_mode="process"`` and ``worker_mode="ray"``:
+
+- ``u8``: the torchvision pipeline (``ImageFolder``, RandomResizedCrop 224, flip, ToTensor,
+  Normalize) under ``fastfeed.vision.accelerate`` with ``device="cpu"``: workers make uint8
+  crops, and the batch tail (ToTensor's scaling, Normalize) runs on whole batches in the main
+  process, as it would on the GPU with ``device="cuda"``. uint8 crosses the object store.
+- ``f32``: the same without ``device``: workers finish float batches (4× the bytes).
+- ``overhead``: ``benchmarks/overhead.py``'s case, the loader's own cost: 16 pre-made uint8
+  3×224×224 samples cycled, no decoding, batch 128, the consumer touching every page.
+
+Each run is a fresh process (configurations alternate order from repeat to repeat) with
+persistent workers: the time to the first batch (``iter()`` to the first ``next()``: a fork,
+or an actor whose process starts and imports torch), then images/s over ``--epochs`` epochs
+after a warm-up one. Through the object store: images/s × the bytes of an image on the wire.
+The table gives medians and the ratio of Ray to processes; the load average (the machine's
+other business) is printed before and after.
+
+    .venv-clients/bin/python benchmarks/ray_workers.py --images 1000 --repeats 3
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.interleaved import interleaved_rates, pipeline_parser
+
+CASES = ("u8", "f32", "overhead")
+BACKENDS = ("process", "ray")
+CONFIGS = tuple(f"{case}-{backend}" for case in CASES for backend in BACKENDS)
+IMAGE_BYTES = 3 * 224 * 224  # one uint8 image on the wire
+WIRE_BYTES = {"u8": IMAGE_BYTES, "f32": 4 * IMAGE_BYTES, "overhead": IMAGE_BYTES}
+OVERHEAD_BATCH, OVERHEAD_IMAGES = 128, 2048  # an epoch of 16 batches
+
+
+def run(config: str, root: Path, workers: int, batch_size: int, epochs: int) -> dict[str, Any]:
+    """One configuration in this process: its time to the first batch and images/s."""
+    import torch
+
+    from fastfeed import FastLoader
+
+    case, backend = config.rsplit("-", 1)
+    if backend == "ray":
+        import ray
+
+        import benchmarks.overhead
+
+        ray.init(num_cpus=workers, include_dashboard=False, logging_level="ERROR",
+                 log_to_driver=False)
+        # Its dataset travels by value: the actors do not run from this directory.
+        ray.cloudpickle.register_pickle_by_value(benchmarks.overhead)
+    consume: Callable[[Any], int]
+    if case == "overhead":
+        from benchmarks.overhead import FixedSamples, touch
+
+        dataset: Any = FixedSamples(torch.uint8, length=OVERHEAD_IMAGES)
+        options: dict[str, Any] = {"batch_size": OVERHEAD_BATCH}
+
+        def consume(batch: Any) -> int:
+            touch(batch)
+            return len(batch)
+    else:
+        from fastfeed.bench.data import classic_imagefolder
+
+        dataset = classic_imagefolder(root, accelerated=True)
+        options = {"batch_size": batch_size, "device": "cpu" if case == "u8" else None}
+
+        def consume(batch: Any) -> int:
+            return len(batch[0])
+    loader = FastLoader(dataset, shuffle=True, num_workers=workers, persistent_workers=True,
+                        worker_mode=backend, **options)
+    start = time.perf_counter()
+    iterator = iter(loader)
+    consume(next(iterator))
+    first_batch_s = time.perf_counter() - start
+    for batch in iterator:  # the rest of the warm-up epoch
+        consume(batch)
+    rates = []
+    for _ in range(epochs):
+        start, images = time.perf_counter(), 0
+        for batch in loader:
+            images += consume(batch)
+        rates.append(images / (time.perf_counter() - start))
+    return {"first_batch_s": first_batch_s, "rates": rates}
+
+
+def print_table(runs: dict[str, list[dict[str, Any]]], title: str) -> None:
+    def median_rate(config: str) -> float:
+        return statistics.median(r for run in runs[config] for r in run["rates"])
+
+    def median_first(config: str) -> float:
+        return statistics.median(run["first_batch_s"] for run in runs[config])
+
+    print(title)
+    print("| case | process images/s | Ray images/s | Ray / process | first batch process / "
+          "Ray | Ray through the object store |\n|---|---|---|---|---|---|")
+    for case in CASES:
+        process, ray = f"{case}-process", f"{case}-ray"
+        if process not in runs or ray not in runs:
+            continue
+        rate = median_rate(ray)
+        print(f"| {case} | {median_rate(process):,.0f} | {rate:,.0f} | "
+              f"**{rate / median_rate(process):.2f}×** | {median_first(process):.2f} s / "
+              f"{median_first(ray):.2f} s | {rate * WIRE_BYTES[case] / 1e6:,.0f} MB/s |")
+    print("\n| configuration | images/s min–max | first batch min–max |\n|---|---|---|")
+    for config, values in runs.items():
+        rates = [r for run in values for r in run["rates"]]
+        firsts = [run["first_batch_s"] for run in values]
+        print(f"| {config} | {min(rates):,.0f}–{max(rates):,.0f} | "
+              f"{min(firsts):.2f}–{max(firsts):.2f} s |")
+
+
+def main() -> None:
+    parser = pipeline_parser(__doc__, CONFIGS, batch_size=64)
+    parser.add_argument("--images", type=int, default=1000)
+    args = parser.parse_args()
+
+    from fastfeed.bench.data import CACHE
+
+    root = CACHE / f"imagenet-like-{args.images}"
+    if args.one:
+        print(json.dumps([run(args.one, root, args.workers, args.batch_size, args.epochs)]))
+        return
+    if not root.exists():
+        from fastfeed.vision.synthetic import make_imagefolder
+
+        make_imagefolder(root, args.images, classes=50)
+    load_before = os.getloadavg()
+    runs = interleaved_rates(__file__, args.configs.split(","), args.repeats,
+                             ["--images", str(args.images), "--workers", str(args.workers),
+                              "--batch-size", str(args.batch_size), "--epochs",
+                              str(args.epochs)], desc="ray workers")
+    load_after = os.getloadavg()
+    print_table(runs, f"{args.workers} workers on {os.cpu_count()} cores, {root.name} (batch "
+                      f"{args.batch_size}; overhead: batch {OVERHEAD_BATCH}), median of "
+                      f"{args.repeats} runs × {args.epochs} epochs")
+    print(f"\nload average (1 min) {load_before[0]:.1f} before, {load_after[0]:.1f} after")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(runs, indent=2))
+
+
+if __name__ == "__main__":
+    main()
