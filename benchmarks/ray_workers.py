@@ -18,9 +18,13 @@ persistent workers: the time to the first batch (``iter()`` to the first ``next(
 or an actor whose process starts and imports torch), then images/s over ``--epochs`` epochs
 after a warm-up one. Through the object store: images/s × the bytes of an image on the wire.
 The table gives medians and the ratio of Ray to processes; the load average (the machine's
-other business) is printed before and after.
+other business) is printed before and after. With ``--profile``, each run also reads where the
+CPU went over its timed epochs (Linux ``/proc``): the main process, the workers (processes or
+actors), Ray's own daemons (raylet, GCS), in cores; and the workers' fetch and collate time per
+batch from ``loader.stats()``.
 
-    .venv-clients/bin/python benchmarks/ray_workers.py --images 1000 --repeats 3
+    .venv-clients/bin/python benchmarks/ray_workers.py --images 1000 --repeats 5
+    .venv-clients/bin/python benchmarks/ray_workers.py --configs f32-process,f32-ray --profile
 """
 
 from __future__ import annotations
@@ -46,8 +50,38 @@ WIRE_BYTES = {"u8": IMAGE_BYTES, "f32": 4 * IMAGE_BYTES, "overhead": IMAGE_BYTES
 OVERHEAD_BATCH, OVERHEAD_IMAGES = 128, 2048  # an epoch of 16 batches
 
 
-def run(config: str, root: Path, workers: int, batch_size: int, epochs: int) -> dict[str, Any]:
-    """One configuration in this process: its time to the first batch and images/s."""
+def cpu_seconds() -> dict[str, float]:
+    """CPU seconds so far of this process (``main``), its workers (child processes, or the
+    actors' processes) and Ray's own processes (raylet, GCS, agents, idle workers), read from
+    /proc: a Ray process's command line is its title, ``ray::<actor class>`` for an actor."""
+    tick = os.sysconf("SC_CLK_TCK")
+    seconds = {"main": 0.0, "workers": 0.0, "Ray daemons": 0.0}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                command = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue  # gone meanwhile
+        if int(pid) == os.getpid():
+            group = "main"
+        elif command.startswith("ray::RayWorker"):
+            group = "workers"
+        elif command.startswith("ray::") or "/ray/" in command:  # ray.init's children too
+            group = "Ray daemons"
+        elif int(fields[1]) == os.getpid():
+            group = "workers"
+        else:
+            continue
+        seconds[group] += (int(fields[11]) + int(fields[12])) / tick
+    return seconds
+
+
+def run(config: str, root: Path, workers: int, batch_size: int, epochs: int,
+        profile: bool = False) -> dict[str, Any]:
+    """One configuration in this process: its time to the first batch and images/s (and with
+    ``profile``, where the CPU went)."""
     import torch
 
     from fastfeed import FastLoader
@@ -89,12 +123,22 @@ def run(config: str, root: Path, workers: int, batch_size: int, epochs: int) -> 
     for batch in iterator:  # the rest of the warm-up epoch
         consume(batch)
     rates = []
+    loader.stats(reset=True)
+    cpu_before, timed = cpu_seconds(), time.perf_counter()
     for _ in range(epochs):
         start, images = time.perf_counter(), 0
         for batch in loader:
             images += consume(batch)
         rates.append(images / (time.perf_counter() - start))
-    return {"first_batch_s": first_batch_s, "rates": rates}
+    result: dict[str, Any] = {"first_batch_s": first_batch_s, "rates": rates}
+    if profile:
+        wall, stats = time.perf_counter() - timed, loader.stats()
+        result["cores"] = {group: (spent - cpu_before[group]) / wall
+                           for group, spent in cpu_seconds().items()}
+        result["worker_ms"] = {"fetch": stats.stage_ms["fetch"],
+                               "collate": stats.stage_ms["collate"],
+                               "busy": 100 * stats.worker_utilization}
+    return result
 
 
 def print_table(runs: dict[str, list[dict[str, Any]]], title: str) -> None:
@@ -121,18 +165,33 @@ def print_table(runs: dict[str, list[dict[str, Any]]], title: str) -> None:
         firsts = [run["first_batch_s"] for run in values]
         print(f"| {config} | {min(rates):,.0f}–{max(rates):,.0f} | "
               f"{min(firsts):.2f}–{max(firsts):.2f} s |")
+    profiled = {c: v for c, v in runs.items() if "cores" in v[0]}
+    if profiled:
+        print("\nWhere the CPU went (medians; cores over the timed epochs; per batch from "
+              "stats())\n\n| configuration | main | workers | Ray daemons | workers busy | "
+              "fetch ms | collate ms |\n|---|---|---|---|---|---|---|")
+        for config, values in profiled.items():
+            cores = {g: statistics.median(v["cores"][g] for v in values)
+                     for g in values[0]["cores"]}
+            ms = {k: statistics.median(v["worker_ms"][k] for v in values)
+                  for k in values[0]["worker_ms"]}
+            print(f"| {config} | {cores['main']:.2f} | {cores['workers']:.2f} | "
+                  f"{cores['Ray daemons']:.2f} | {ms['busy']:.0f} % | {ms['fetch']:.0f} | "
+                  f"{ms['collate']:.1f} |")
 
 
 def main() -> None:
     parser = pipeline_parser(__doc__, CONFIGS, batch_size=64)
     parser.add_argument("--images", type=int, default=1000)
+    parser.add_argument("--profile", action="store_true", help="where the CPU went, per run")
     args = parser.parse_args()
 
     from fastfeed.bench.data import CACHE
 
     root = CACHE / f"imagenet-like-{args.images}"
     if args.one:
-        print(json.dumps([run(args.one, root, args.workers, args.batch_size, args.epochs)]))
+        print(json.dumps([run(args.one, root, args.workers, args.batch_size, args.epochs,
+                              args.profile)]))
         return
     if not root.exists():
         from fastfeed.vision.synthetic import make_imagefolder
@@ -142,7 +201,8 @@ def main() -> None:
     runs = interleaved_rates(__file__, args.configs.split(","), args.repeats,
                              ["--images", str(args.images), "--workers", str(args.workers),
                               "--batch-size", str(args.batch_size), "--epochs",
-                              str(args.epochs)], desc="ray workers")
+                              str(args.epochs), *(["--profile"] if args.profile else [])],
+                             desc="ray workers")
     load_after = os.getloadavg()
     print_table(runs, f"{args.workers} workers on {os.cpu_count()} cores, {root.name} (batch "
                       f"{args.batch_size}; overhead: batch {OVERHEAD_BATCH}), median of "
