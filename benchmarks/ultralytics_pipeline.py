@@ -24,8 +24,11 @@ Configurations:
   keeps up.
 
 Each run is a fresh process: one warm-up epoch (workers start, mosaic buffers fill), then
-``--epochs`` timed epochs; configurations alternate order from repeat to repeat; the table gives
-the median images/s over every timed epoch of every repeat.
+``--epochs`` timed epochs; configurations alternate order from repeat to repeat. Two tables give
+the medians over every timed epoch of every repeat: images per second of wall time, and images
+per CPU-second of the loader's processes (the main process and its workers), which stays
+meaningful when other work shares the machine: the time a configuration costs, not the time
+it waited for a core.
 
 The images are photographs, not drawings: collages of Ultralytics' own sample photos
 (``bus.jpg``, ``zidane.jpg``) with mild sensor noise, JPEG q90, about 2 bits per pixel as
@@ -102,9 +105,26 @@ def make_photo_yolo(root: Path, images: int, widths: tuple[int, int], seed: int 
     return root
 
 
+def cpu_seconds() -> float:
+    """CPU time (user + system) so far of this process and its live children (the workers):
+    what a run costs, whatever else the machine runs meanwhile."""
+    import psutil  # an Ultralytics dependency
+
+    me = psutil.Process()
+    total = 0.0
+    for process in [me, *me.children(recursive=True)]:
+        try:
+            times = process.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += times.user + times.system
+    return total
+
+
 def images_per_s(config: str, root: Path, imgsz: int, workers: int, batch_size: int,
-                 epochs: int, cache: str = "") -> list[float]:
-    """Images/s of each timed epoch of one configuration (run in this process)."""
+                 epochs: int, cache: str = "") -> list[dict[str, float]]:
+    """Each timed epoch of one configuration (run in this process): images per second of wall
+    time (``wall``) and per CPU-second of this process and its workers (``cpu``)."""
     os.environ["YOLO_OFFLINE"] = "1"
     import torch
     from ultralytics.cfg import get_cfg
@@ -138,13 +158,14 @@ def images_per_s(config: str, root: Path, imgsz: int, workers: int, batch_size: 
     loader = build_dataloader(dataset, batch_size, workers, shuffle=True, rank=-1)
     rates = []
     for epoch in range(epochs + 1):
-        start, images = time.perf_counter(), 0
+        start, cpu, images = time.perf_counter(), cpu_seconds(), 0
         for batch in loader:
             images += len(batch["im_file"])  # the feed configs leave "img" packed
         if torch.cuda.is_available():
             torch.cuda.synchronize()  # batches made on the GPU count when they are done
         if epoch:
-            rates.append(images / (time.perf_counter() - start))
+            rates.append({"wall": images / (time.perf_counter() - start),
+                          "cpu": images / (cpu_seconds() - cpu)})
     loader.close()
     return rates
 
@@ -200,7 +221,7 @@ def _stage_times(stats: dict, samples: int) -> dict[str, float]:
 
 
 def profile_samples(root: Path, imgsz: int, samples: int = 320) -> str:
-    """Where one process spends a training sample's time, per stage (cProfile, batches of 16
+    """Where one process spends a training sample's CPU time, per stage (cProfile, batches of 16
     formatted and collated as each configuration's workers do), and what ``imdecode`` costs at
     each DCT scale."""
     import cProfile
@@ -242,17 +263,18 @@ def profile_samples(root: Path, imgsz: int, samples: int = 320) -> str:
         # Indices wrap: a small --images set still gives the 20 warm-up and ``samples`` timed.
         for i in range(20):  # fill the mosaic buffer
             dataset[i % len(dataset)]
-        profiler = cProfile.Profile()
-        start = time.perf_counter()
+        # CPU time, not wall time: the figures hold while other work shares the machine.
+        profiler = cProfile.Profile(time.process_time)
+        start = time.process_time()
         profiler.enable()
         for first in range(20, 20 + samples, 16):
             batch = [dataset[i % len(dataset)] for i in range(first, first + 16)]
             if not defer:
                 collate(batch) if options is None else collate.collate_into(batch, torch_empty)
         profiler.disable()
-        per_sample = (time.perf_counter() - start) / samples * 1e3
+        per_sample = (time.process_time() - start) / samples * 1e3
         stages = _stage_times(pstats.Stats(profiler).stats, samples)  # type: ignore[attr-defined]
-        lines.append(f"{name}: {per_sample:.1f} ms per sample; "
+        lines.append(f"{name}: {per_sample:.1f} CPU ms per sample; "
                      + ", ".join(f"{stage} {t:.2f}" for stage, t in stages.items()))
     fastfeed.ultralytics.unpatch()
     files = [np.fromfile(p, np.uint8) for p in sorted((root / "images").glob("*.jpg"))[:60]]
@@ -260,11 +282,11 @@ def profile_samples(root: Path, imgsz: int, samples: int = 320) -> str:
               "1/4": cv2.IMREAD_REDUCED_COLOR_4, "1/8": cv2.IMREAD_REDUCED_COLOR_8}
     costs = []
     for name, flag in scales.items():
-        start = time.perf_counter()
+        start = time.process_time()
         for data in files:
             cv2.imdecode(data, flag)
-        costs.append(f"{name} {(time.perf_counter() - start) / len(files) * 1e3:.2f}")
-    lines.append("imdecode ms per image: " + ", ".join(costs))
+        costs.append(f"{name} {(time.process_time() - start) / len(files) * 1e3:.2f}")
+    lines.append("imdecode ms per image (CPU time): " + ", ".join(costs))
     return "\n".join(lines)
 
 
@@ -386,8 +408,12 @@ def main() -> None:
     title = (f"Ultralytics YOLODataset (train augmentations), {root.name}, imgsz {args.imgsz}"
              f"{', images cached in RAM' if args.cache else ''}: "
              f"batch {args.batch_size}, {args.workers} workers, median of {args.repeats} runs × "
-             f"{args.epochs} epochs")
-    print_ratio_table(title, rates, json_path=args.json)
+             f"{args.epochs} epochs, load average {os.getloadavg()[0]:.1f} at the end")
+    for metric, unit in (("wall", "images/s"), ("cpu", "images per CPU-second")):
+        json_path = args.json and args.json.with_suffix(f".{metric}.json")
+        print_ratio_table(f"{title}: {unit}",
+                          {c: [r[metric] for r in records] for c, records in rates.items()},
+                          unit=unit, json_path=json_path)
     if args.pixels:
         print(pixel_difference(root, args.imgsz))
 

@@ -35,6 +35,7 @@ from torch.utils.data import DataLoader
 
 from fastfeed.device import check_device
 from fastfeed.loader import FastLoader
+from fastfeed.ultralytics import shared_cache
 from fastfeed.ultralytics.loader import InfiniteFastLoader
 
 __all__ = ["InfiniteFastLoader", "PatchInWorkers", "is_patched", "patch", "unpatch"]
@@ -108,6 +109,11 @@ def patch(fast_decode: bool = False, augment_device: str | None = None,
         check_device(augment_device)  # now, rather than when training builds its loaders
     if cache not in (None, "shared"):
         raise ValueError(f"cache must be None or 'shared', got {cache!r}")
+    if cache == "shared" and not shared_cache.available():
+        warnings.warn("fastfeed was installed without its C++ extensions (no compiler): "
+                      "cache='shared' is off, and cache='ram' stays Ultralytics' own",
+                      RuntimeWarning, stacklevel=2)
+        cache = None
     from ultralytics.data import augment, base, build
     from ultralytics.utils import dist
 
@@ -115,11 +121,6 @@ def patch(fast_decode: bool = False, augment_device: str | None = None,
     from fastfeed.ultralytics.hsv import exact_hsv
     from fastfeed.ultralytics.labels import copy_labels
     from fastfeed.ultralytics.mosaic import lazy_mosaic
-    from fastfeed.ultralytics.shared_cache import (
-        shared_cache_images,
-        shared_check_cache_ram,
-        shared_load_image,
-    )
     from fastfeed.ultralytics.warp import exact_warp
 
     _originals.setdefault("InfiniteDataLoader", build.InfiniteDataLoader)
@@ -150,10 +151,11 @@ def patch(fast_decode: bool = False, augment_device: str | None = None,
     base.BaseDataset.cache_images = _originals["cache_images"]
     base.BaseDataset.check_cache_ram = _originals["check_cache_ram"]
     if cache == "shared":
-        load_image = shared_load_image(load_image)
-        base.BaseDataset.cache_images = shared_cache_images(
+        load_image = shared_cache.shared_load_image(load_image)
+        base.BaseDataset.cache_images = shared_cache.shared_cache_images(
             _originals["cache_images"], cache_budget_gib, "reduced" if fast_decode else "full")
-        base.BaseDataset.check_cache_ram = shared_check_cache_ram(_originals["check_cache_ram"])
+        base.BaseDataset.check_cache_ram = shared_cache.shared_check_cache_ram(
+            _originals["check_cache_ram"])
     base.BaseDataset.load_image = load_image
 
 

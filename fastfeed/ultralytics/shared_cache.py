@@ -17,8 +17,8 @@ is not cached (it is decoded on every read, as without a cache).
 The file is named after what determines its contents (the image files, their sizes and times,
 ``imgsz``, the channels and the decoder), so runs on the same data share it and runs on other
 data do not. Each process holds a shared ``flock`` on it while it uses it; the last one to close
-removes it. A run killed by ``SIGKILL`` leaves it behind: the next run on the same data reuses
-it and removes it at its end.
+removes it. A run killed by a signal (``SIGKILL``; ``SIGTERM`` under Python's default handler)
+leaves it behind: the next run on the same data reuses it and removes it at its end.
 """
 
 from __future__ import annotations
@@ -42,10 +42,10 @@ import numpy as np
 
 try:
     from fastfeed import _flags  # type: ignore[attr-defined]
-except ImportError:  # without a compiler the cache stays per process, as Ultralytics keeps it
+except ImportError:  # installed without a C++ compiler: see available()
     _flags = None
 
-__all__ = ["CacheDoesNotFit", "SharedImages", "cache_dir", "shared_cache_images",
+__all__ = ["CacheDoesNotFit", "SharedImages", "available", "cache_dir", "shared_cache_images",
            "shared_check_cache_ram", "shared_load_image"]
 
 _MAGIC = 0x46465943_00000001  # "FFYC", layout version 1
@@ -59,6 +59,11 @@ LoadImage = Callable[..., tuple[np.ndarray, tuple[int, int], tuple[int, int]]]
 
 class CacheDoesNotFit(RuntimeError):
     """The images need more memory than the cache may take."""
+
+
+def available() -> bool:
+    """Whether images can be published across processes: ``fastfeed._flags`` was built."""
+    return _flags is not None
 
 
 def cache_dir() -> Path:
@@ -181,17 +186,11 @@ class SharedImages:
 
 
 def _publish(table: np.ndarray, i: int) -> None:
-    address = table.ctypes.data + (i * _FIELDS + _READY) * 8
-    if _flags is not None:
-        _flags.publish(address, 1)
-    else:
-        table[i, _READY] = 1
+    _flags.publish(table.ctypes.data + (i * _FIELDS + _READY) * 8, 1)
 
 
 def _load(table: np.ndarray, i: int) -> bool:
-    if _flags is not None:
-        return bool(_flags.load(table.ctypes.data + (i * _FIELDS + _READY) * 8))
-    return bool(table[i, _READY])
+    return bool(_flags.load(table.ctypes.data + (i * _FIELDS + _READY) * 8))
 
 
 def _open_locked(path: Path, nbytes: int, lay_out: Callable[[int], None]) -> int:
