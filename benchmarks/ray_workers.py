@@ -167,17 +167,22 @@ def print_table(runs: dict[str, list[dict[str, Any]]], title: str) -> None:
               f"{min(firsts):.2f}–{max(firsts):.2f} s |")
     profiled = {c: v for c, v in runs.items() if "cores" in v[0]}
     if profiled:
+        # Images per CPU-second: what a shared machine's other load does not skew, where one
+        # configuration's processes happen to get more of the cores than another's.
         print("\nWhere the CPU went (medians; cores over the timed epochs; per batch from "
-              "stats())\n\n| configuration | main | workers | Ray daemons | workers busy | "
-              "fetch ms | collate ms |\n|---|---|---|---|---|---|---|")
+              "stats())\n\n| configuration | main | workers | Ray daemons | images per "
+              "CPU-second | workers busy | fetch ms | collate ms |\n|---|---|---|---|---|---|---|"
+              "---|")
         for config, values in profiled.items():
             cores = {g: statistics.median(v["cores"][g] for v in values)
                      for g in values[0]["cores"]}
+            per_core = statistics.median(statistics.median(v["rates"]) / sum(v["cores"].values())
+                                         for v in values)
             ms = {k: statistics.median(v["worker_ms"][k] for v in values)
                   for k in values[0]["worker_ms"]}
             print(f"| {config} | {cores['main']:.2f} | {cores['workers']:.2f} | "
-                  f"{cores['Ray daemons']:.2f} | {ms['busy']:.0f} % | {ms['fetch']:.0f} | "
-                  f"{ms['collate']:.1f} |")
+                  f"{cores['Ray daemons']:.2f} | {per_core:,.0f} | {ms['busy']:.0f} % | "
+                  f"{ms['fetch']:.0f} | {ms['collate']:.1f} |")
 
 
 def main() -> None:

@@ -1,6 +1,7 @@
-"""``worker_mode="ray"`` on a Ray cluster of three nodes on this machine
-(``ray.cluster_utils.Cluster``, CPU only): the same batches as torch's DataLoader side by side,
-nothing lost and nothing repeated when a node goes away mid-epoch, and no actor left behind.
+"""``worker_mode="ray"`` on a Ray cluster on this machine (``ray.cluster_utils.Cluster``, CPU
+only: a head node, a worker node, and a third node that goes away): the same batches as torch's
+DataLoader side by side, nothing lost and nothing repeated when a node goes away mid-epoch,
+and no actor or Ray process left behind.
 
 One cluster serves the module (it takes about ten seconds to start); each test checks that the
 loaders it made left no actor running.
@@ -47,7 +48,7 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 # Actors on the worker node, one CPU each: the custom resource places them there.
 ON_WORKER_NODE = {"num_cpus": 1, "resources": {"cpu_node": 1}}
-# Lost nodes are noticed in about a second, not Ray's default of about fifteen.
+# Lost nodes are noticed in about a second, not after Ray's default health-check failures.
 FAST_HEALTH_CHECKS = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 300,
                       "health_check_failure_threshold": 3}
 
