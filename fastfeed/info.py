@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import platform
 import shutil
@@ -12,6 +13,7 @@ import torch
 
 import fastfeed
 from fastfeed._copy import extension_loaded
+from fastfeed._imports import importable
 from fastfeed.autotune import available_cpus
 from fastfeed.nvml import nvml_status
 from fastfeed.ring import ring_supported
@@ -45,14 +47,15 @@ def _client(distribution: str, missing: str) -> str:
         return f"not installed ({missing})"
 
 
-def _warp_kernel() -> str:
+def _yolo_kernel(module: str, op: str) -> str:
+    """Whether a YOLO pixel kernel (``fastfeed._warp``, ``fastfeed._hsv``) runs here."""
     try:
-        from fastfeed import _warp  # type: ignore[attr-defined]
+        kernel = importlib.import_module(f"fastfeed.{module}")
     except ImportError:
-        return "not built: Ultralytics keeps OpenCV's warp"
-    if not _warp.available():
-        return "built, but this CPU has no AVX2/FMA: Ultralytics keeps OpenCV's warp"
-    return "fastfeed._warp (taken where it gives OpenCV's bytes)"
+        return f"not built: Ultralytics keeps OpenCV's {op}"
+    if not kernel.available():
+        return f"built, but this CPU has no AVX2/FMA: Ultralytics keeps OpenCV's {op}"
+    return f"fastfeed.{module} (taken where it gives OpenCV's bytes)"
 
 
 def collect() -> dict[str, str]:
@@ -68,7 +71,10 @@ def collect() -> dict[str, str]:
         "C++ extension": "loaded" if extension_loaded() else "not built: pure-torch copy path",
         "JPEG window decoder": "libjpeg-turbo (fastfeed._jpeg)" if roi_decoder_available()
         else "not built: Pillow draft mode",
-        "YOLO warp kernel": _warp_kernel(),
+        "YOLO warp kernel": _yolo_kernel("_warp", "warp"),
+        "YOLO HSV kernel": _yolo_kernel("_hsv", "HSV"),
+        "YOLO shared cache": "fastfeed._flags" if importable("fastfeed._flags")
+        else "not built: patch(cache='shared') is off",
         "ring": "memfd slots" if ring_supported() else "unsupported here: ordinary path",
         "CUDA": f"{torch.version.cuda} ({torch.cuda.device_count()} device(s))"
         if cuda

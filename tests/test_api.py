@@ -189,6 +189,6 @@ def test_an_unpicklable_worker_init_fn_warns_as_torch_does():
 def test_worker_processes_are_named_as_torchs():
     loader = FastLoader(TensorDataset(), num_workers=1, persistent_workers=True)
     next(iter(loader))
-    worker = loader._live_iterator()._workers[0]
+    worker = loader._live_iterator()._table[0]
     with open(f"/proc/{worker.handle.pid}/comm") as comm:
         assert comm.read().strip() == "pt_data_worker"

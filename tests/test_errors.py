@@ -268,3 +268,15 @@ def test_a_break_gives_every_slot_back():
         del _batch
         assert wait_until(partial(slots_in_use_settle, loader._ring)), loader._ring.occupancy
     assert loader._ring.occupancy[1] <= loader._ring.max_slots
+
+
+def test_ultralytics_patch_without_ultralytics_says_what_to_install():
+    from fastfeed._imports import importable
+
+    if importable("ultralytics"):
+        pytest.skip("Ultralytics is installed here: the client tests cover patch()")
+    import fastfeed.ultralytics as fu
+
+    with pytest.raises(ImportError, match=r"pip install 'fastfeed\[ultralytics\]'"):
+        fu.patch()
+    assert not fu.is_patched()

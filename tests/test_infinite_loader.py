@@ -37,11 +37,11 @@ def test_reset_restarts_workers_and_close_frees_them():
     before = snapshot()
     loader = epochs(InfiniteFastLoader, 1, num_workers=2)[0]
     first = loader.iterator
-    pids = {w.handle.pid for w in first._workers}
+    pids = {w.handle.pid for w in first._table}
     loader.reset()
     assert loader.iterator is None
     list(loader)
-    assert {w.handle.pid for w in loader.iterator._workers}.isdisjoint(pids)
+    assert {w.handle.pid for w in loader.iterator._table}.isdisjoint(pids)
     loader.close()
     del first, loader
     assert_no_leaks(before)

@@ -22,7 +22,8 @@ def test_info_reports_what_this_machine_has():
         assert printed[key].startswith("not installed") != installed, key
     assert printed["CPUs (affinity)"] == str(len(os.sched_getaffinity(0)))
     assert printed["ring"] == "memfd slots"  # Linux
-    for key in ("fastfeed", "numpy", "Pillow", "YOLO warp kernel", "CUDA", "GPU", "NVML",
+    for key in ("fastfeed", "numpy", "Pillow", "YOLO warp kernel", "YOLO HSV kernel",
+                "YOLO shared cache", "CUDA", "GPU", "NVML",
                 "Ultralytics", "/dev/shm"):
         assert printed[key], key
 

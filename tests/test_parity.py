@@ -120,9 +120,9 @@ def test_persistent_workers_across_epochs(dataset):
 def test_persistent_workers_reuse_processes():
     loader = FastLoader(TensorDataset(), batch_size=4, num_workers=2, persistent_workers=True)
     list(loader)
-    pids = [w.handle.pid for w in loader._iterator._workers]
+    pids = [w.handle.pid for w in loader._iterator._table]
     list(loader)
-    assert [w.handle.pid for w in loader._iterator._workers] == pids
+    assert [w.handle.pid for w in loader._iterator._table] == pids
 
 
 def test_persistent_workers_after_break():

@@ -17,7 +17,7 @@ from fastfeed import FastLoader
 
 
 def workers_of(iterator):
-    return [worker.handle.pid for worker in iterator._workers]
+    return [worker.handle.pid for worker in iterator._table]
 
 
 def gone(pids):
@@ -167,3 +167,28 @@ def test_tickets_return_only_once_no_worker_can_write(workers, released):
     calls = []
     ProcessBackend._stop(handles, 0.0, lambda: calls.append("released"))
     assert calls == (["released"] if released else [])
+
+
+def close_as_ultralytics_does(iterator):
+    """Ultralytics' InfiniteDataLoader.close(): terminate the live worker processes that
+    torch's iterator lists, then shut the iterator's workers down."""
+    if hasattr(iterator, "_workers"):
+        for worker in iterator._workers:
+            if worker.is_alive():
+                worker.terminate()
+        iterator._shutdown_workers()
+
+
+@pytest.mark.parametrize("mode", ["process", "thread"])
+def test_a_framework_closes_the_iterator_through_torchs_attributes(mode):
+    from torch.utils.data import DataLoader
+
+    for cls, kwargs in ((DataLoader, {}), (FastLoader, {"worker_mode": mode})):
+        loader = cls(SlowDataset(n=64), batch_size=2, num_workers=2, persistent_workers=True,
+                     **kwargs)
+        iterator = iter(loader)
+        next(iterator)
+        pids = [w.pid for w in iterator._workers]
+        assert len(pids) == (0 if mode == "thread" and cls is FastLoader else 2)
+        close_as_ultralytics_does(iterator)  # torch's own and ours: neither raises
+        assert wait_until(lambda pids=pids: gone(pids), 5)

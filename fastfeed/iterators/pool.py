@@ -68,7 +68,7 @@ class WorkerPoolIterator(BaseIterator):
                                setup.ray_options)
         self.ring = setup.ring  # the loader gives one to the backends whose batches use it
         self._crew = WorkerCrew(backend, self._book, self.ring, self._timeout)
-        self._workers = self._crew.table
+        self._table = self._crew.table
         self._telemetry.worker_mode = backend.kind
         self._telemetry.ring = self.ring
         try:
@@ -81,13 +81,13 @@ class WorkerPoolIterator(BaseIterator):
             raise
         self._size_ring()
         self._tuning = (None if setup.tuner is None else TuningWindows(
-            setup.tuner, self._workers.active_tasks(), self._telemetry.waited,
+            setup.tuner, self._table.active_tasks(), self._telemetry.waited,
             self._telemetry.worker_busy_s))
         self._reset(loader, first_iter=True)
 
     @property
     def _max_tasks(self) -> int:
-        return self._prefetch_factor * self._workers.serving
+        return self._prefetch_factor * self._table.serving
 
     def _size_ring(self) -> None:
         if self.ring is not None:
@@ -109,13 +109,13 @@ class WorkerPoolIterator(BaseIterator):
                                    self._receive)  # batches not delivered die with their leases
         self._epoch_clock = time.perf_counter()
         self._book.start_epoch()
-        self._workers.next_worker = 0  # round-robin position
+        self._table.next_worker = 0  # round-robin position
         if resume is not None and resume.dataset_states is not None:
             # Continue the round robin where the snapshot left it.
-            self._workers.next_worker = resume.next_worker
+            self._table.next_worker = resume.next_worker
             for worker_id, done in enumerate(resume.workers_done or []):
                 if done:
-                    self._workers.exhaust(worker_id, at=-1)
+                    self._table.exhaust(worker_id, at=-1)
         self._fill()
 
     def _epoch_finished(self) -> None:
@@ -139,7 +139,7 @@ class WorkerPoolIterator(BaseIterator):
             return
         # In order, torch gives the next worker its task whatever it owes; out of order, only
         # a worker with room (its share of the tasks in flight).
-        worker_id = self._workers.pick(None if self._in_order else self._max_tasks)
+        worker_id = self._table.pick(None if self._in_order else self._max_tasks)
         if worker_id is None:
             return
         ticket = None
@@ -160,7 +160,7 @@ class WorkerPoolIterator(BaseIterator):
             # The tasks queued behind this one never run: cancel them, as torch skips them.
             for cancelled in self._book.cancel_worker(worker_id):
                 self._settle(cancelled.take_ticket())
-            self._workers.exhaust(worker_id, at=answer.seq)
+            self._table.exhaust(worker_id, at=answer.seq)
             if not self._persistent_workers:
                 self._crew.stop(worker_id)
             return
@@ -168,7 +168,7 @@ class WorkerPoolIterator(BaseIterator):
         try:
             entry.result = self._result_of(entry, outcome)
         finally:
-            if self._workers.may_stop(worker_id):
+            if self._table.may_stop(worker_id):
                 self._crew.stop(worker_id)  # a retiring worker's last task: it may exit
 
     def _result_of(self, entry: Entry, outcome: Produced | Failed) -> HostBatch | ExceptionWrapper:
@@ -238,25 +238,35 @@ class WorkerPoolIterator(BaseIterator):
             upcoming, worker_id = self._book.upcoming()
             position["next_worker"] = worker_id or 0
             position["workers_done"] = tuple(
-                w.exhausted_at is not None and w.exhausted_at < upcoming for w in self._workers)
+                w.exhausted_at is not None and w.exhausted_at < upcoming for w in self._table)
         return position
 
     # -- auto-tuning -------------------------------------------------------------------------
     def _after_delivery(self) -> None:
         if self._tuning is None:
             return
-        wanted = self._tuning.delivered(self._telemetry.waited, self._workers.active_tasks(),
+        wanted = self._tuning.delivered(self._telemetry.waited, self._table.active_tasks(),
                                         self._telemetry.worker_busy_s)
-        if wanted is not None and wanted != self._workers.serving:
+        if wanted is not None and wanted != self._table.serving:
             self._telemetry.decision(self._tuning.tuner.log[-1])
             self._crew.resize(wanted, lambda worker_id, num_workers: self._worker_config(
                 worker_id, num_workers=num_workers, thread=self._crew.kind == "thread"))
             self._size_ring()
-            self._setup.carry_over.workers = self._workers.serving  # where the next epoch starts
+            self._setup.carry_over.workers = self._table.serving  # where the next epoch starts
             self._fill()
 
     # -- shutdown ----------------------------------------------------------------------------
     def close(self) -> None:
+        self._crew.shutdown()
+
+    # What frameworks reach for on torch's iterator: Ultralytics' InfiniteDataLoader.close()
+    # terminates the processes in ``_workers`` that are alive, then calls _shutdown_workers().
+    @property
+    def _workers(self) -> list[Any]:
+        """The worker processes, as torch's iterator lists them (none for other backends)."""
+        return [w.handle.runner for w in self._table] if self._crew.kind == "process" else []
+
+    def _shutdown_workers(self) -> None:
         self._crew.shutdown()
 
     def __del__(self) -> None:

@@ -33,6 +33,7 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
+from fastfeed._imports import importable
 from fastfeed.device import check_device
 from fastfeed.loader import FastLoader
 from fastfeed.ultralytics import shared_cache
@@ -96,6 +97,9 @@ def patch(fast_decode: bool = False, augment_device: str | None = None,
        trainer from a pickle, with a callback added here that calls :func:`patch` with these
        arguments in each of them.
     """
+    if not importable("ultralytics"):
+        raise ImportError("fastfeed.ultralytics.patch() needs Ultralytics: "
+                          "pip install 'fastfeed[ultralytics]'")
     unknown = sorted(set(fastloader_options) - FASTLOADER_OPTIONS)
     if unknown:
         raise TypeError(f"patch() got {unknown}, which are not FastLoader options; "
