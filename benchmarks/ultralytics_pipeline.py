@@ -138,11 +138,8 @@ def images_per_s(config: str, root: Path, imgsz: int, workers: int, batch_size: 
 
         from fastfeed import FastLoader
 
-        # Its close() reaches for torch's private _shutdown_workers, which FastLoader's
-        # iterators do not have: close through their public close() instead.
         bases = (build.InfiniteDataLoader, FastLoader)  # its super() is now FastLoader
-        build.InfiniteDataLoader = type("InfiniteDataLoader", bases,
-                                        {"close": lambda self: self.iterator.close()})
+        build.InfiniteDataLoader = type("InfiniteDataLoader", bases, {})
     elif not config.startswith("stock"):
         fastfeed.ultralytics.patch(**PATCHES[config])
     if config.endswith(("-ram", "-shared")):
