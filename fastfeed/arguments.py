@@ -3,12 +3,15 @@ own: the same exception types, and messages that say what to pass instead."""
 
 from __future__ import annotations
 
+import contextlib
+import warnings
+from collections.abc import Iterator
 from typing import Any
 
 from fastfeed._torch_compat import is_iterable_dataset
 from fastfeed.cluster.options import actor_options
 
-__all__ = ["WORKER_MODES", "check_arguments"]
+__all__ = ["WORKER_MODES", "check_arguments", "cores_warning_muted"]
 
 WORKER_MODES = ("process", "thread", "auto", "ray")
 
@@ -50,3 +53,15 @@ def check_arguments(*, dataset: Any, worker_mode: Any, ray_options: Any, determi
     if gpu_transform is not None and device is None:
         raise ValueError("gpu_transform runs on the device: pass device='cuda' (or 'cpu')")
     return actor_options(ray_options) if worker_mode == "ray" else None
+
+
+@contextlib.contextmanager
+def cores_warning_muted(worker_mode: str) -> Iterator[None]:
+    """Mute torch's warning that more workers than this machine's cores may freeze it, for Ray's
+    workers, which use the cluster's cores; other modes keep it exactly as torch gives it."""
+    if worker_mode != "ray":
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "This DataLoader will create", UserWarning)
+        yield

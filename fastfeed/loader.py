@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from fastfeed._torch_compat import is_datapipe, is_iterable_dataset
-from fastfeed.arguments import check_arguments
+from fastfeed.arguments import check_arguments, cores_warning_muted
 from fastfeed.autotune import WorkerTuner, initial_workers
 from fastfeed.cluster.options import cluster_workers
 from fastfeed.device import (
@@ -169,25 +169,26 @@ class FastLoader(DataLoader):
         self.deterministic = deterministic
         self.log_every = log_every
         self._init_runtime()
-        super().__init__(
-            dataset,
-            batch_size=batch_size,
-            shuffle=shuffle,
-            sampler=sampler,
-            batch_sampler=batch_sampler,
-            num_workers=num_workers,
-            collate_fn=collate_fn,
-            pin_memory=pin_memory,
-            drop_last=drop_last,
-            timeout=timeout,
-            worker_init_fn=worker_init_fn,
-            multiprocessing_context=multiprocessing_context,
-            generator=generator,
-            prefetch_factor=prefetch_factor,
-            persistent_workers=persistent_workers,
-            pin_memory_device=pin_memory_device,
-            in_order=in_order,
-        )
+        with cores_warning_muted(worker_mode):
+            super().__init__(
+                dataset,
+                batch_size=batch_size,
+                shuffle=shuffle,
+                sampler=sampler,
+                batch_sampler=batch_sampler,
+                num_workers=num_workers,
+                collate_fn=collate_fn,
+                pin_memory=pin_memory,
+                drop_last=drop_last,
+                timeout=timeout,
+                worker_init_fn=worker_init_fn,
+                multiprocessing_context=multiprocessing_context,
+                generator=generator,
+                prefetch_factor=prefetch_factor,
+                persistent_workers=persistent_workers,
+                pin_memory_device=pin_memory_device,
+                in_order=in_order,
+            )
 
     def _init_runtime(self) -> None:
         """State a loader builds for itself, never copied: not by pickling (``ddp_spawn``,
@@ -223,10 +224,6 @@ class FastLoader(DataLoader):
         self.__dict__.update(state)
         self.__dict__["_iterator"] = None
         self._init_runtime()
-
-    def check_worker_number_rationality(self) -> None:
-        if getattr(self, "worker_mode", None) != "ray":  # Ray: the cluster's cores, not these
-            super().check_worker_number_rationality()
 
     def _sync_tuned_workers(self) -> None:
         """With ``num_workers="auto"``, ``num_workers`` follows the tuner between epochs."""
@@ -394,6 +391,7 @@ class FastLoader(DataLoader):
         setup = self._iterator_setup()
         if self.num_workers == 0:
             return SingleProcessIterator(self, setup)
-        if not self.autotune:  # "auto" goes past the cores only when that measured faster
+        # "auto" goes past the cores only when that measured faster; Ray's are the cluster's.
+        if not self.autotune and self.worker_mode != "ray":
             self.check_worker_number_rationality()
         return WorkerPoolIterator(self, setup)
