@@ -198,12 +198,13 @@ def main() -> None:
         print(json.dumps([run(args.one, root, args.workers, args.batch_size, args.epochs,
                               args.profile)]))
         return
-    if not root.exists():
+    configs = args.configs.split(",")
+    if not root.exists() and any(not c.startswith("overhead") for c in configs):
         from fastfeed.vision.synthetic import make_imagefolder
 
         make_imagefolder(root, args.images, classes=50)
     load_before = os.getloadavg()
-    runs = interleaved_rates(__file__, args.configs.split(","), args.repeats,
+    runs = interleaved_rates(__file__, configs, args.repeats,
                              ["--images", str(args.images), "--workers", str(args.workers),
                               "--batch-size", str(args.batch_size), "--epochs",
                               str(args.epochs), *(["--profile"] if args.profile else [])],

@@ -3,8 +3,11 @@ the loader's checks of Ray's arguments. The cluster tests are in ``test_ray_clus
 
 from __future__ import annotations
 
+import json
 import pickle
+import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,6 +19,8 @@ from fastfeed import FastLoader
 from fastfeed.cluster.wire import ship, unship
 from fastfeed.codec import decode, encode
 from fastfeed.ring import Arena, Lease
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def through_object_store(batch):
@@ -98,3 +103,19 @@ def test_without_a_cluster_the_first_iteration_says_to_call_ray_init(monkeypatch
         iter(loader)
     with pytest.raises(RuntimeError, match=r"ray\.init"):
         FastLoader(TensorDataset(), num_workers="auto", worker_mode="ray")
+
+
+@pytest.mark.clients
+def test_the_benchmark_compares_ray_with_processes(tmp_path):
+    """``benchmarks/ray_workers.py`` runs (on the overhead case, which needs no images) and
+    tabulates both backends with its profile."""
+    pytest.importorskip("ray", reason="needs Ray: pip install 'fastfeed[ray]'")
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "ray_workers.py"), "--configs",
+         "overhead-process,overhead-ray", "--repeats", "1", "--epochs", "1", "--profile",
+         "--json", str(tmp_path / "runs.json")],
+        capture_output=True, text=True, cwd=ROOT, timeout=240, check=False)
+    assert out.returncode == 0, out.stderr
+    assert "| overhead |" in out.stdout and "| overhead-ray |" in out.stdout
+    runs = json.loads((tmp_path / "runs.json").read_text())
+    assert runs["overhead-ray"][0]["cores"]["workers"] > 0, "the actors' CPU was not read"
