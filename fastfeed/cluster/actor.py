@@ -42,7 +42,8 @@ _LOOP_CHECK_S = 1.0
 
 
 class RayWorker:
-    """A worker on the cluster (made a Ray actor by the backend; no Ray import here).
+    """A worker on the cluster (made a Ray actor by the backend; this module imports Ray only
+    once an actor runs it).
 
     Args:
         config: the worker's configuration, without its dataset.
