@@ -4,8 +4,9 @@ The actor hosts the very loop a worker process runs (:func:`fastfeed.worker.work
 a thread of its own fed through in-process queues, so seeding, ``get_worker_info()``,
 ``worker_init_fn``, errors, IterableDataset exhaustion and persistent epochs cannot drift
 from a local worker's. Each actor call hands the loop one message and returns its reply, with
-the batch made ready for Ray's object store (:mod:`fastfeed.cluster.wire`). Ray runs an
-actor's calls one at a time, in the order they were submitted: the protocol's order.
+the batch made ready for Ray's object store (:mod:`fastfeed.cluster.wire`), collated into
+memory the actor reuses for every batch, as a worker process collates into a ring slot. Ray
+runs an actor's calls one at a time, in the order they were submitted: the protocol's order.
 """
 
 from __future__ import annotations
