@@ -199,7 +199,7 @@ def test_workers_exit_when_the_main_process_is_killed():
         it = iter(loader)
         for _ in range(5):
             next(it)
-        print(*[w.handle.pid for w in it._workers], flush=True)
+        print(*[w.handle.pid for w in it._table], flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
     """), stdout=subprocess.PIPE, text=True)
     pids = [int(p) for p in proc.stdout.readline().split()]
@@ -215,7 +215,7 @@ def test_ctrl_c_stops_cleanly():
         from fastfeed import FastLoader
         loader = FastLoader(SlowDataset(delay=0.2), batch_size=2, num_workers=2)
         it = iter(loader)
-        print(*[w.handle.pid for w in it._workers], flush=True)
+        print(*[w.handle.pid for w in it._table], flush=True)
         for batch in it:
             pass
     """), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
