@@ -1,6 +1,8 @@
 """Everything that crosses between the main process and a worker, as frozen messages.
 
-The protocol, per worker (a thread worker follows it too, with the control pipe absent)::
+The protocol, per worker (a thread worker follows it too, with the control pipe absent; a Ray
+actor too, its task queue and result queue carried by actor calls, its batches by the object
+store: :mod:`fastfeed.iterators.ray_backend`)::
 
     main process                                  worker
     ────────────                                  ──────

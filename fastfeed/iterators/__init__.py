@@ -1,6 +1,6 @@
 """FastLoader's own iterators: in the main process (``num_workers=0``), and a pool of workers
-(processes feeding the ring, or threads). Both hand batches to the loader, or to the device
-stage through the contract of :class:`BaseIterator`."""
+(processes feeding the ring, threads, or Ray actors on a cluster). Both hand batches to the
+loader, or to the device stage through the contract of :class:`BaseIterator`."""
 
 from fastfeed.iterators.base import BaseIterator, HostBatch, Position
 from fastfeed.iterators.pool import WorkerPoolIterator
