@@ -30,7 +30,7 @@ def _has_libjpeg() -> bool:
 def _extension(name: str, source: str, flags: tuple[str, ...] = (), **kwargs
                ) -> Pybind11Extension:
     ext = Pybind11Extension(name, [source], cxx_std=17, extra_compile_args=["-O3", *flags],
-                            **kwargs)
+                            depends=["csrc/cpu_features.h"], **kwargs)
     ext.optional = True
     return ext
 

@@ -25,18 +25,11 @@
 #include <cstdint>
 #include <vector>
 
+#include "cpu_features.h"
+
 namespace py = pybind11;
 
 namespace {
-
-#if defined(__x86_64__) || defined(__i386__)
-// std::fma without the FMA instruction is a slow library call; x86 needs the target.
-#define FASTFEED_FMA_TARGET __attribute__((target("avx2,fma")))
-bool has_fma() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
-#else
-#define FASTFEED_FMA_TARGET
-bool has_fma() { return true; }
-#endif
 
 // Source column c of a row sits at c + kPad in the padded row, between border pixels.
 constexpr int kPad = 2;
@@ -59,7 +52,7 @@ struct Plan {
     int first = 0, last = -1;  // the source columns that any output column reads
 };
 
-FASTFEED_FMA_TARGET Plan plan_columns(const Inverse& inv, int src_w, int out_w) {
+FASTFEED_AVX2_FMA Plan plan_columns(const Inverse& inv, int src_w, int out_w) {
     Plan plan;
     plan.column.resize(out_w);
     plan.alpha.resize(out_w);
@@ -82,7 +75,7 @@ FASTFEED_FMA_TARGET Plan plan_columns(const Inverse& inv, int src_w, int out_w) 
 }
 
 // One source row (or the border, outside the source), interpolated at every output column.
-FASTFEED_FMA_TARGET void horizontal(const uint8_t* src, int64_t stride, int src_h, int64_t row,
+FASTFEED_AVX2_FMA void horizontal(const uint8_t* src, int64_t stride, int src_h, int64_t row,
                                     const Plan& plan, float border, std::vector<float>& padded,
                                     float* __restrict out, int out_w) {
     if (row < 0 || row >= src_h) {
@@ -103,7 +96,7 @@ FASTFEED_FMA_TARGET void horizontal(const uint8_t* src, int64_t stride, int src_
     }
 }
 
-FASTFEED_FMA_TARGET void warp(const uint8_t* src, int src_h, int src_w, int64_t stride,
+FASTFEED_AVX2_FMA void warp(const uint8_t* src, int src_h, int src_w, int64_t stride,
                               uint8_t* dst, int out_h, int out_w, const Inverse& inv,
                               float border) {
     const Plan plan = plan_columns(inv, src_w, out_w);
@@ -156,7 +149,7 @@ void warp_axis_aligned(uintptr_t src, int src_h, int src_w, int64_t stride, uint
 
 PYBIND11_MODULE(_warp, m) {
     m.doc() = "OpenCV's bilinear warpAffine for scale-and-translate matrices, separably.";
-    m.def("available", &has_fma, "Whether this CPU runs the kernel at full speed (FMA).");
+    m.def("available", &has_avx2_fma, "Whether this CPU runs the kernel at full speed (FMA).");
     m.def("warp_axis_aligned", &warp_axis_aligned, py::arg("src"), py::arg("src_h"),
           py::arg("src_w"), py::arg("stride"), py::arg("dst"), py::arg("out_h"),
           py::arg("out_w"), py::arg("a"), py::arg("b"), py::arg("d"), py::arg("e"),

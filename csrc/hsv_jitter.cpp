@@ -21,21 +21,11 @@
 #include <cmath>
 #include <cstdint>
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#endif
+#include "cpu_features.h"
 
 namespace py = pybind11;
 
 namespace {
-
-#if defined(__x86_64__) || defined(__i386__)
-#define FASTFEED_SIMD_TARGET __attribute__((target("avx2,fma")))
-bool has_simd() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
-#else
-#define FASTFEED_SIMD_TARGET
-bool has_simd() { return true; }
-#endif
 
 constexpr int kShift = 12;
 constexpr int kHalf = 1 << (kShift - 1);
@@ -68,7 +58,7 @@ struct Luts {
 };
 
 // One pixel, in place: the reference for the vector path, and its tail.
-FASTFEED_SIMD_TARGET inline void jitter_pixel(uint8_t* px, const Luts& lut, const Tables& t) {
+FASTFEED_AVX2_FMA inline void jitter_pixel(uint8_t* px, const Luts& lut, const Tables& t) {
     const int b = px[0], g = px[1], r = px[2];
     const int value = std::max(std::max(b, g), r);
     const int diff = value - std::min(std::min(b, g), r);
@@ -99,20 +89,20 @@ FASTFEED_SIMD_TARGET inline void jitter_pixel(uint8_t* px, const Luts& lut, cons
 
 #if defined(__x86_64__) || defined(__i386__)
 // Helpers of the vector path. Lambdas would not inherit its target attribute.
-FASTFEED_SIMD_TARGET inline __m256 is(__m256i sector, int k) {
+FASTFEED_AVX2_FMA inline __m256 is(__m256i sector, int k) {
     return _mm256_castsi256_ps(_mm256_cmpeq_epi32(sector, _mm256_set1_epi32(k)));
 }
 
-FASTFEED_SIMD_TARGET inline __m256 pick(__m256 a, __m256 b, __m256 take_b) {
+FASTFEED_AVX2_FMA inline __m256 pick(__m256 a, __m256 b, __m256 take_b) {
     return _mm256_blendv_ps(a, b, take_b);
 }
 
-FASTFEED_SIMD_TARGET inline __m256i to_int(__m256 x, __m256 scale) {
+FASTFEED_AVX2_FMA inline __m256i to_int(__m256 x, __m256 scale) {
     return _mm256_cvttps_epi32(_mm256_mul_ps(x, scale));
 }
 
 // Eight pixels at a time: the same operations as jitter_pixel, lane by lane.
-FASTFEED_SIMD_TARGET void jitter_row_avx2(uint8_t* px, int n, const Luts& lut, const Tables& t) {
+FASTFEED_AVX2_FMA void jitter_row_avx2(uint8_t* px, int n, const Luts& lut, const Tables& t) {
     // Byte shuffles between 24 interleaved BGR bytes (16 + 8) and the planes [B G] and [R].
     const __m128i lo_to_bg = _mm_setr_epi8(0, 3, 6, 9, 12, 15, -1, -1, 1, 4, 7, 10, 13, -1, -1, -1);
     const __m128i hi_to_bg = _mm_setr_epi8(-1, -1, -1, -1, -1, -1, 2, 5, -1, -1, -1, -1, -1, 0, 3, 6);
@@ -189,7 +179,7 @@ FASTFEED_SIMD_TARGET void jitter_row_avx2(uint8_t* px, int n, const Luts& lut, c
 
 void jitter_row(uint8_t* px, int n, const Luts& lut, const Tables& t) {
 #if defined(__x86_64__) || defined(__i386__)
-    if (has_simd()) {
+    if (has_avx2_fma()) {
         jitter_row_avx2(px, n, lut, t);
         return;
     }
@@ -219,7 +209,7 @@ void hsv_jitter(uintptr_t image, int height, int width, int64_t stride, uintptr_
 
 PYBIND11_MODULE(_hsv, m) {
     m.doc() = "Ultralytics' RandomHSV in one pass, with OpenCV 5's arithmetic.";
-    m.def("available", &has_simd, "Whether this CPU runs the kernel at full speed (AVX2, FMA).");
+    m.def("available", &has_avx2_fma, "Whether this CPU runs the kernel at full speed (AVX2, FMA).");
     m.def("hsv_jitter", &hsv_jitter, py::arg("image"), py::arg("height"), py::arg("width"),
           py::arg("stride"), py::arg("lut"),
           "Convert an HxWx3 uint8 BGR image (rows `stride` bytes apart) to HSV, map each "
