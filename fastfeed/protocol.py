@@ -42,6 +42,7 @@ __all__ = [
     "Failed",
     "Produced",
     "ReplicaEnded",
+    "Shipped",
     "SlotAdded",
     "SlotDropped",
     "StartEpoch",
@@ -131,10 +132,27 @@ class Encoded:
 
 
 @dataclass(frozen=True)
+class Shipped:
+    """A batch as it crosses Ray's object store from an actor (:mod:`fastfeed.cluster.wire`).
+
+    Attributes:
+        payload: the pickled structure.
+        buffers: the memory of its storages and arrays, out of band (``PickleBuffer`` on the
+            actor, views of the object store once Ray has moved them).
+        nbytes: at least the bytes the batch takes in a ring slot: its buffers, each aligned
+            as the codec aligns what it places.
+    """
+
+    payload: bytes
+    buffers: tuple[Any, ...]
+    nbytes: int
+
+
+@dataclass(frozen=True)
 class Produced:
-    """A batch: ``Encoded`` from a process, the batch itself from a thread or the main
-    process; with the worker's timings, the samples it skipped, and its IterableDataset
-    ``state_dict()`` after the fetch."""
+    """A batch: ``Encoded`` from a process, ``Shipped`` from a Ray actor, the batch itself
+    from a thread or the main process; with the worker's timings, the samples it skipped,
+    and its IterableDataset ``state_dict()`` after the fetch."""
 
     batch: Any
     fetch_s: float

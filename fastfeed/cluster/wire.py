@@ -2,9 +2,9 @@
 
 A worker process hands its batch over in a ring slot or, failing that, in torch's shared
 memory, by file descriptor; neither reaches another machine. An actor's batch travels as
-:class:`Shipped` instead: the batch pickled (protocol 5) with each plain tensor replaced by a
-descriptor of its storage, and each storage (and each contiguous numpy array) as an
-out-of-band buffer, which Ray writes into its object store once and never pickles.
+:class:`~fastfeed.protocol.Shipped` instead: the batch pickled (protocol 5) with each plain
+tensor replaced by a descriptor of its storage, and each storage (and each contiguous numpy
+array) as an out-of-band buffer, which Ray writes into its object store once and never pickles.
 
 The main process rebuilds the batch over those buffers: read-only views of the object store,
 no copy, alive only until the codec has copied the batch into a ring slot. Views keep their
@@ -17,33 +17,16 @@ from __future__ import annotations
 import io
 import pickle
 import warnings
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
 from fastfeed._copy import bytes_are_values
+from fastfeed.protocol import Shipped
 from fastfeed.ring.memory import ALIGN
 
-__all__ = ["Shipped", "ship", "unship"]
-
-
-@dataclass(frozen=True)
-class Shipped:
-    """A batch ready for the object store.
-
-    Attributes:
-        payload: the pickled structure.
-        buffers: the memory of its storages and arrays, out of band (``PickleBuffer`` on the
-            actor, views of the object store once Ray has moved them).
-        nbytes: at least the bytes the batch takes in a ring slot: its buffers, each aligned
-            as the codec aligns what it places.
-    """
-
-    payload: bytes
-    buffers: tuple[Any, ...]
-    nbytes: int
+__all__ = ["ship", "unship"]
 
 
 class _StorageIds:

@@ -44,7 +44,7 @@ import torch
 
 from fastfeed.cluster.actor import RayWorker
 from fastfeed.cluster.options import actor_options, connected_ray
-from fastfeed.cluster.wire import Shipped, unship
+from fastfeed.cluster.wire import unship
 from fastfeed.codec import decode, encode
 from fastfeed.iterators.backends import WorkerHandle
 from fastfeed.iterators.liveness import WorkerExited
@@ -53,6 +53,7 @@ from fastfeed.protocol import (
     Encoded,
     EpochStarted,
     Produced,
+    Shipped,
     StartEpoch,
     Stop,
     Task,
