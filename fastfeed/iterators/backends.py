@@ -22,8 +22,6 @@ from dataclasses import dataclass
 from multiprocessing.reduction import send_handle
 from typing import Any
 
-import torch
-
 from fastfeed.protocol import SlotAdded, SlotDropped, Stop, WorkerConfig
 from fastfeed.ring import SlotRing
 from fastfeed.worker import worker_loop
@@ -245,16 +243,3 @@ def _exited(process: Any) -> bool:
     except ProcessLookupError:
         return True
     return False
-
-
-def make_backend(mode: str, multiprocessing_context: Any,
-                 ray_options: dict[str, Any] | None = None) -> Any:
-    """The backend for ``worker_mode`` ``mode`` (``"process"``, ``"thread"`` or ``"ray"``)."""
-    if mode == "thread":
-        return ThreadBackend()
-    if mode == "ray":
-        # Imported here: Ray's backend builds on this module's WorkerHandle.
-        from fastfeed.iterators.ray_backend import RayBackend
-
-        return RayBackend(ray_options)
-    return ProcessBackend(multiprocessing_context or torch.multiprocessing)

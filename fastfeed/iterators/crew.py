@@ -16,6 +16,8 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
+import torch
+
 from fastfeed.iterators.backends import ProcessBackend, ThreadBackend
 from fastfeed.iterators.liveness import WorkerExited, next_message, raise_if_a_worker_died
 from fastfeed.iterators.tasks import TaskBook
@@ -23,7 +25,7 @@ from fastfeed.iterators.workers import WorkerTable
 from fastfeed.protocol import Answer, EpochStarted, StartEpoch, Stop, Task, WorkerConfig
 from fastfeed.ring import SlotRing, Ticket
 
-__all__ = ["WorkerCrew"]
+__all__ = ["WorkerCrew", "make_backend"]
 
 _python_exiting = False
 
@@ -36,6 +38,19 @@ def _mark_exiting() -> None:
 # At interpreter exit the workers are daemons that multiprocessing terminates itself; queues
 # and threads may already be gone, so a late finaliser must not touch them.
 atexit.register(_mark_exiting)
+
+
+def make_backend(mode: str, multiprocessing_context: Any,
+                 ray_options: dict[str, Any] | None = None) -> Any:
+    """The backend for ``worker_mode`` ``mode`` (``"process"``, ``"thread"`` or ``"ray"``)."""
+    if mode == "thread":
+        return ThreadBackend()
+    if mode == "ray":
+        # Only when asked for: it imports Ray.
+        from fastfeed.iterators.ray_backend import RayBackend
+
+        return RayBackend(ray_options)
+    return ProcessBackend(multiprocessing_context or torch.multiprocessing)
 
 
 def _release_all(ring: SlotRing, tickets: list[Ticket]) -> None:

@@ -21,9 +21,8 @@ from torch.utils.data import DataLoader
 
 from fastfeed.autotune import TuningWindows
 from fastfeed.codec import decode
-from fastfeed.iterators.backends import make_backend
 from fastfeed.iterators.base import BaseIterator, HostBatch
-from fastfeed.iterators.crew import WorkerCrew
+from fastfeed.iterators.crew import WorkerCrew, make_backend
 from fastfeed.iterators.setup import IteratorSetup
 from fastfeed.iterators.tasks import Entry, TaskBook
 from fastfeed.protocol import Answer, Encoded, Failed, Produced, ReplicaEnded, Task
