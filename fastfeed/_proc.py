@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["available_cpus", "available_memory", "resident_memory"]
+__all__ = ["available_cpus", "available_memory", "read_kib", "resident_memory"]
 
 
-def _read_kib(path: str, field: str) -> int | None:
+def read_kib(path: str, field: str) -> int | None:
+    """Bytes of a ``field:  N kB`` line of a /proc file (None when it cannot be read)."""
     try:
         with open(path) as f:
             for line in f:
@@ -21,12 +22,12 @@ def _read_kib(path: str, field: str) -> int | None:
 
 def available_memory() -> int | None:
     """Bytes the kernel reports as available (``MemAvailable``)."""
-    return _read_kib("/proc/meminfo", "MemAvailable")
+    return read_kib("/proc/meminfo", "MemAvailable")
 
 
 def resident_memory() -> int | None:
     """This process's resident set size in bytes."""
-    return _read_kib("/proc/self/status", "VmRSS")
+    return read_kib("/proc/self/status", "VmRSS")
 
 
 def available_cpus() -> int:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from fastfeed._proc import read_kib
+
 __all__ = ["ProcessTree", "Usage", "process_group", "usage_between"]
 
 _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -37,15 +39,8 @@ def _memory(pid: int) -> int:
     """Proportional set size in bytes (shared pages split among their users, so a forked
     worker is not charged for the parent's pages it only reads); resident size where the
     kernel has no smaps_rollup; 0 for a process that is gone."""
-    for path, field in ((f"/proc/{pid}/smaps_rollup", "Pss:"), (f"/proc/{pid}/status", "VmRSS:")):
-        try:
-            with open(path) as f:
-                for line in f:
-                    if line.startswith(field):
-                        return int(line.split()[1]) * 1024
-        except OSError:
-            continue
-    return 0
+    pss = read_kib(f"/proc/{pid}/smaps_rollup", "Pss")
+    return pss if pss is not None else read_kib(f"/proc/{pid}/status", "VmRSS") or 0
 
 
 @dataclass(frozen=True)

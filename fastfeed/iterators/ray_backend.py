@@ -28,13 +28,10 @@ local worker does.
 from __future__ import annotations
 
 import collections
-import mmap
-import os
 import queue
 import time
 import uuid
 import warnings
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -60,7 +57,6 @@ from fastfeed.protocol import (
     WorkerConfig,
 )
 from fastfeed.ring import Arena, Lease, SlotRing
-from fastfeed.ring.memory import map_slot, new_memfd, round_up
 
 __all__ = ["RayBackend", "RemoteWorker"]
 
@@ -124,21 +120,19 @@ class RemoteWorker:
 
 class _PrivateSlot:
     """A slot of this process's own, for a task sent without one: the ring adopts its
-    descriptor (``detach()``), as it adopts a worker process's slot, or it closes with this
-    object."""
+    descriptor (``detach()``), as it adopts a worker process's slot, or it closes with its
+    arena."""
 
     def __init__(self, nbytes: int) -> None:
-        nbytes = round_up(nbytes, mmap.PAGESIZE)
-        fd = new_memfd("fastfeed-ray-slot", nbytes)
-        self._fd = weakref.finalize(self, os.close, fd)
-        buffer = torch.frombuffer(map_slot(fd, nbytes, populate=True), dtype=torch.uint8)
-        self.arena: Arena | None = Arena(None, buffer)
+        self._memfd = Arena.private(nbytes)
+        # The batch is written through a plain arena over the same memory: encode() hands a
+        # private arena's descriptor to another process, and this one stays here.
+        self.arena = Arena(None, self._memfd.buffer)
 
     def detach(self) -> int:
-        self.arena = None  # the ring maps the slot itself
-        detached = self._fd.detach()
-        assert detached is not None, "a private slot is adopted once"
-        return detached[2][0]
+        fd = self._memfd.detach_private_slot()
+        assert fd is not None, "a private slot is adopted once"
+        return fd
 
 
 class RayBackend:
@@ -285,5 +279,4 @@ class RayBackend:
             memory: np.ndarray = self._ring.assigned_memory(slot_id)
             return encode(batch, Arena(slot_id, torch.from_numpy(memory)))
         slot = _PrivateSlot(shipped.nbytes)
-        assert slot.arena is not None
         return replace(encode(batch, slot.arena), private_slot=slot)

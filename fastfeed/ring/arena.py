@@ -109,13 +109,18 @@ class Arena:
         arena._memfd = weakref.finalize(arena, os.close, fd)
         return arena
 
+    def detach_private_slot(self) -> int | None:
+        """The file descriptor of a private slot (None for others), owned by the caller from
+        now on: it no longer closes with this arena."""
+        detached = None if self._memfd is None else self._memfd.detach()
+        return None if detached is None else detached[2][0]
+
     def export_private_slot(self) -> Any:
         """A picklable handle on a private slot's memory (``None`` for others), which the main
         process redeems once with ``.detach()``; this arena's descriptor closes."""
-        detached = None if self._memfd is None else self._memfd.detach()
-        if detached is None:
+        fd = self.detach_private_slot()
+        if fd is None:
             return None
-        fd = detached[2][0]
         try:
             return DupFd(fd)  # a duplicate, served to the main process on request
         finally:
