@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import warnings
 import weakref
 from collections.abc import Callable, Iterable
@@ -37,7 +38,7 @@ from fastfeed.ring import SlotRing, ring_supported
 from fastfeed.tail import batch_tail_split
 from fastfeed.telemetry import GpuSampler, LoaderStats, Telemetry
 
-__all__ = ["FastLoader"]
+__all__ = ["OWN_OPTIONS", "FastLoader"]
 
 
 def _summary(loader_ref: weakref.ref[FastLoader]) -> str:
@@ -45,9 +46,11 @@ def _summary(loader_ref: weakref.ref[FastLoader]) -> str:
     return "" if loader is None else loader.stats().summary()
 
 
-def _chain(first: Callable[[Any], Any], then: Callable[[Any], Any] | None
-           ) -> Callable[[Any], Any]:
-    return first if then is None else lambda batch: then(first(batch))
+def _chain(first: Callable[[Any], Any] | None, then: Callable[[Any], Any] | None
+           ) -> Callable[[Any], Any] | None:
+    if first is None or then is None:
+        return first or then
+    return lambda batch: then(first(batch))
 
 
 class FastLoader(DataLoader):
@@ -274,11 +277,8 @@ class FastLoader(DataLoader):
         if worker_mode not in ("process", "ray") or self.ring_slots == 0 or not ring_supported():
             return None
         if self._ring is None:
-            pin = None
-            if self._copies_to_cuda:
-                assert self._target is not None and self._target.index is not None
-                pin = Pinner(self._target.index)
-            self._ring = SlotRing(max_slots=0, pin=pin)
+            gpu = self._target.index if self._copies_to_cuda and self._target else None
+            self._ring = SlotRing(max_slots=0, pin=None if gpu is None else Pinner(gpu))
         return self._ring
 
     def _iterator_setup(self) -> IteratorSetup:
@@ -376,12 +376,9 @@ class FastLoader(DataLoader):
             if self._copy_stream is None:
                 self._copy_stream = torch.cuda.Stream(self._target)
             copier = StreamCopier(self._target, self._copy_stream)
-        transform = self.gpu_transform
-        # The tail of what the workers make (persistent workers keep the first iterator's),
-        # first, on the copy stream.
-        tail = host.device_tail
-        if tail is not None:
-            transform = _chain(tail, transform)
+        # The tail of what the workers make (persistent workers keep the first iterator's)
+        # runs first, on the copy stream.
+        transform = _chain(host.device_tail, self.gpu_transform)
         return DeviceIterator(host, copier, self.prefetch_depth, transform, self._telemetry)
 
     def _get_iterator(self) -> Any:
@@ -395,3 +392,9 @@ class FastLoader(DataLoader):
         if not self.autotune and self.worker_mode != "ray":
             self.check_worker_number_rationality()
         return WorkerPoolIterator(self, setup)
+
+
+# FastLoader's own keywords and defaults: what integrations pass on and rebuild loaders with.
+OWN_OPTIONS: dict[str, Any] = {
+    name: parameter.default for name, parameter in inspect.signature(FastLoader).parameters.items()
+    if name not in inspect.signature(DataLoader).parameters}

@@ -23,16 +23,13 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from fastfeed.loader import FastLoader
+from fastfeed.loader import OWN_OPTIONS, FastLoader
 
 __all__ = ["LoaderSpec"]
 
 _DATALOADER_ARGS = frozenset(inspect.signature(DataLoader.__init__).parameters)
-# FastLoader's own keywords, with their defaults, as its signature has them (so a new option
-# is rebuilt too); log_every is left out: the doctor's runs must not log.
-_FAST_OPTIONS = {name: parameter.default
-                 for name, parameter in inspect.signature(FastLoader.__init__).parameters.items()
-                 if name not in _DATALOADER_ARGS and name != "log_every"}
+# FastLoader's own keywords and defaults, but log_every: the doctor's runs must not log.
+_FAST_OPTIONS = {name: default for name, default in OWN_OPTIONS.items() if name != "log_every"}
 
 
 def _generators(loader: DataLoader) -> list[torch.Generator]:

@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
-from torch.utils.data import DataLoader
-
-from fastfeed.loader import FastLoader
+from fastfeed.loader import OWN_OPTIONS
 
 # FastLoader keywords that DataLoader does not have: frameworks never pass them.
-FASTLOADER_OPTIONS = frozenset(inspect.signature(FastLoader).parameters) - frozenset(
-    inspect.signature(DataLoader).parameters)
+FASTLOADER_OPTIONS = frozenset(OWN_OPTIONS)
 
 
 def check_options(options: dict[str, Any]) -> None:

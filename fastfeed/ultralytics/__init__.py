@@ -25,25 +25,21 @@ Ultralytics is optional: ``pip install fastfeed[ultralytics]``.
 
 from __future__ import annotations
 
-import inspect
 import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from torch.utils.data import DataLoader
-
 from fastfeed._imports import importable
 from fastfeed.device import check_device
-from fastfeed.loader import FastLoader
+from fastfeed.loader import OWN_OPTIONS
 from fastfeed.ultralytics import shared_cache
 from fastfeed.ultralytics.loader import InfiniteFastLoader
 
 __all__ = ["InfiniteFastLoader", "PatchInWorkers", "is_patched", "patch", "unpatch"]
 
 # FastLoader keywords that DataLoader does not have: Ultralytics never passes them.
-FASTLOADER_OPTIONS = frozenset(inspect.signature(FastLoader).parameters) - frozenset(
-    inspect.signature(DataLoader).parameters)
+FASTLOADER_OPTIONS = frozenset(OWN_OPTIONS)
 
 _originals: dict[str, Any] = {}
 
