@@ -23,7 +23,7 @@ from fastfeed.protocol import Encoded
 from fastfeed.ring.arena import Arena
 from fastfeed.ring.slots import Lease
 
-__all__ = ["decode", "encode"]
+__all__ = ["decode", "encode", "slot_bytes_needed"]
 
 
 # A storage up to this many times larger than the bytes a batch views of it is copied whole
@@ -162,7 +162,8 @@ class _MeasuringPickler(_SlotPickler):
         return None
 
 
-def _slot_bytes_needed(batch: Any) -> int:
+def slot_bytes_needed(batch: Any) -> int:
+    """The bytes :func:`encode` writes of ``batch`` into a slot large enough for it."""
     arena = Arena()
     pickler = _MeasuringPickler(io.BytesIO(), arena)
     pickler.dump(batch)
@@ -177,7 +178,7 @@ def encode(batch: Any, arena: Arena) -> Encoded:
     batch yet) is replaced by a private slot of the size the batch needs.
     """
     if arena.buffer is None:
-        needed = _slot_bytes_needed(batch)
+        needed = slot_bytes_needed(batch)
         if needed:
             arena = Arena.private(needed)
     file = io.BytesIO()

@@ -35,7 +35,7 @@ from fastfeed.iterators import (
 from fastfeed.pinning import Pinner
 from fastfeed.resume import EpochStart, LoaderState, RandomSources
 from fastfeed.ring import SlotRing, ring_supported
-from fastfeed.tail import batch_tail_split
+from fastfeed.tail import batch_tail_split, place_tail
 from fastfeed.telemetry import GpuSampler, LoaderStats, Telemetry
 
 __all__ = ["OWN_OPTIONS", "FastLoader"]
@@ -290,7 +290,6 @@ class FastLoader(DataLoader):
             tuner.restart(self.num_workers)
             self._carry_over.tuner = tuner
         worker_mode = self._worker_mode_for_next_iterator()
-        split = batch_tail_split(self.dataset, self.collate_fn, self._auto_collation)
         return IteratorSetup(
             telemetry=self._telemetry,
             carry_over=self._carry_over,
@@ -304,9 +303,8 @@ class FastLoader(DataLoader):
             ring_slots=self.ring_slots,
             deterministic=self.deterministic,
             record_delivery=self.device is None,
-            dataset=None if split is None else split.dataset,
-            collate_fn=split.collate if split is not None and self.device is None else None,
-            device_tail=split.tail if split is not None and self.device is not None else None,
+            tail=place_tail(batch_tail_split(self.dataset, self.collate_fn, self._auto_collation),
+                            on_device=self.device is not None, worker_mode=worker_mode),
         )
 
     def state_dict(self) -> dict[str, Any]:

@@ -4,10 +4,16 @@ whole batches, without the core knowing the integration.
 A dataset opts in through its ``transform``: an object with ``split_batch_tail(dataset)``
 returning a :class:`BatchTailSplit` (``fastfeed.vision.accelerate`` gives its transforms
 one). The loader then ships the split's ``dataset``, whose items stop at, say, uint8 images,
-and finishes each batch with the split's ``tail``: on the device, on the copy stream, when the
-loader has a ``device`` (a quarter of the bytes cross to it), else in the workers, where the
-split's ``collate`` writes the finished batch straight into the ring slot. The values are
-those of the per-sample pipeline.
+and finishes each batch with the split's tail (:func:`place_tail` says where):
+
+- with a ``device``, on the device, on the copy stream: a quarter of the bytes cross to it;
+- with Ray workers, in the main process as it lands each batch in its ring slot: a quarter of
+  the bytes cross the object store (and the network), and the tail's float output is written
+  where a plain copy would have written it;
+- else in the workers, where the split's ``collate`` writes the finished batch straight into
+  the ring slot.
+
+The values are those of the per-sample pipeline.
 """
 
 from __future__ import annotations
@@ -19,9 +25,9 @@ from typing import Any
 from torch.utils.data import Dataset
 
 from fastfeed._torch_compat import default_collate
-from fastfeed.collate import SlotCollate
+from fastfeed.collate import Empty, SlotCollate
 
-__all__ = ["BatchTailSplit", "batch_tail_split"]
+__all__ = ["BatchTailSplit", "TailPlacement", "batch_tail_split", "place_tail"]
 
 
 @dataclass(frozen=True)
@@ -34,11 +40,32 @@ class BatchTailSplit:
             any device, without a host sync).
         collate: ``default_collate`` then ``tail``, writing its output with the slot's
             allocator: what the workers run when there is no device.
+        tail_into: ``tail_into(batch, empty)``, ``tail`` writing its output with a slot's
+            allocator: what the main process runs on a batch from Ray workers as it lands it.
     """
 
     dataset: Dataset
     tail: Callable[[Any], Any]
     collate: SlotCollate
+    tail_into: Callable[[Any, Empty], Any]
+
+
+@dataclass(frozen=True)
+class TailPlacement:
+    """Where one iterator finishes a split's batches; the default, without a split: nowhere.
+
+    Attributes:
+        dataset: what the workers read instead of the loader's dataset.
+        collate_fn: what the workers collate with instead of the loader's ``collate_fn``.
+        device_tail: what the device stage runs on each batch first.
+        landing_tail: what the Ray backend runs on each batch as it lands it in a ring slot
+            (``tail_into(batch, empty)``).
+    """
+
+    dataset: Dataset | None = None
+    collate_fn: SlotCollate | None = None
+    device_tail: Callable[[Any], Any] | None = None
+    landing_tail: Callable[[Any, Empty], Any] | None = None
 
 
 def batch_tail_split(dataset: Any, collate_fn: Any, auto_collation: bool
@@ -49,3 +76,17 @@ def batch_tail_split(dataset: Any, collate_fn: Any, auto_collation: bool
         return None
     split = getattr(getattr(dataset, "transform", None), "split_batch_tail", None)
     return split(dataset) if callable(split) else None
+
+
+def place_tail(split: BatchTailSplit | None, on_device: bool, worker_mode: str
+               ) -> TailPlacement:
+    """Where ``split``'s tail runs: on the device when there is one; as Ray workers' batches
+    land (they cross the object store as the split's short items collate, uint8 for images);
+    else in the workers, into the ring slot."""
+    if split is None:
+        return TailPlacement()
+    if on_device:
+        return TailPlacement(split.dataset, device_tail=split.tail)
+    if worker_mode == "ray":
+        return TailPlacement(split.dataset, landing_tail=split.tail_into)
+    return TailPlacement(split.dataset, collate_fn=split.collate)

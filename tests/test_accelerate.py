@@ -31,6 +31,7 @@ from torchvision.transforms import v2  # noqa: E402
 from fastfeed import FastLoader  # noqa: E402
 from fastfeed._torch_compat import default_collate  # noqa: E402
 from fastfeed.ring import Arena  # noqa: E402
+from fastfeed.tail import batch_tail_split, place_tail  # noqa: E402
 from fastfeed.vision import ImageFolder as FastImageFolder  # noqa: E402
 from fastfeed.vision.accelerate import (  # noqa: E402
     BatchTail,
@@ -421,6 +422,10 @@ def test_what_the_workers_run(root):
     assert on_device._host._collate_fn is default_collate
     assert on_device._host._dataset.transform.defer_tail
     assert isinstance(on_device._transform, BatchTail)
+    # Ray workers: they collate uint8, and the main process runs the tail as batches land.
+    on_ray = place_tail(batch_tail_split(fast, default_collate, True), False, "ray")
+    assert on_ray.collate_fn is None and on_ray.device_tail is None
+    assert on_ray.dataset.transform.defer_tail and on_ray.landing_tail is not None
     per_sample = accelerate(datasets.ImageFolder(str(root), transform=PIPELINES["v1-jitter"]()))
     stock = datasets.ImageFolder(str(root), transform=PIPELINES["v1-train"]())
     for loader in (FastLoader(fast, batch_size=4, collate_fn=lambda b: default_collate(b)),
@@ -467,6 +472,11 @@ def test_tail_collate_writes_the_float_batch_into_the_slot(name, in_slot, root):
     no_room = Arena(0, torch.zeros(1024, dtype=torch.uint8))
     images, _ = collate.collate_into(samples, no_room.empty)
     assert not no_room.owns(images) and torch.equal(images, expected[0])
+    # Landing a batch from Ray workers: the same, from the collated uint8 batch.
+    landing = Arena(0, torch.zeros(8 << 20, dtype=torch.uint8))
+    landed = tail.finish_into(default_collate(samples), landing.empty)
+    assert_same(landed, expected)
+    assert landing.owns(landed[0]) == in_slot
     assert pickle.loads(pickle.dumps(collate))._staging is None
 
 

@@ -148,21 +148,76 @@ def test_iterable_dataset_same_batches(cluster):
                    persistent_workers=True, fast={"worker_mode": "ray"}) == 2 * 3
 
 
-def test_accelerated_pipeline_with_a_device(cluster, tmp_path):
+@pytest.fixture
+def jpegs(tmp_path):
+    """A folder of 16 small JPEGs in two classes, as ImageFolder reads them."""
+    for i, (image, label) in enumerate(labelled_jpegs(16, classes=2)):
+        (tmp_path / f"class_{label}").mkdir(exist_ok=True)
+        (tmp_path / f"class_{label}" / f"{i:03d}.jpg").write_bytes(image)
+    return tmp_path
+
+
+def _accelerated(root, transform):
+    from torchvision import datasets
+
+    from fastfeed.vision.accelerate import accelerate
+
+    return accelerate(datasets.ImageFolder(str(root), transform=transform))
+
+
+def _classic_transforms():
+    """The pipelines whose batch tail the main process runs as Ray workers' batches land:
+    ToTensor then Normalize; PILToTensor then ConvertImageDtype (both computed into the slot
+    from uint8); v2's ToImage (whose tail runs as it is, on the landed uint8 batch)."""
+    from torchvision import transforms as T
+    from torchvision.transforms import v2
+
+    mean, std = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
+    return {
+        "ToTensor-Normalize": T.Compose([T.RandomResizedCrop(64), T.RandomHorizontalFlip(),
+                                         T.ToTensor(), T.Normalize(mean, std)]),
+        "PILToTensor-ConvertImageDtype": T.Compose([T.Resize((40, 30)),
+                                                    T.RandomHorizontalFlip(0.7),
+                                                    T.PILToTensor(),
+                                                    T.ConvertImageDtype(torch.float32)]),
+        "v2-ToImage": v2.Compose([v2.RandomResizedCrop(48), v2.ToImage(),
+                                  v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std),
+                                  v2.ToPureTensor()]),
+    }
+
+
+def test_accelerated_pipeline_float_batches_equal_stock_and_processes(cluster, jpegs):
+    """``fastfeed.vision.accelerate`` without a device: Ray workers ship uint8 batches and the
+    main process computes the float tail as it lands each one in its ring slot (a quarter of
+    the bytes through the object store); the batches equal, bit for bit, those of torch's
+    DataLoader over the same dataset and of worker processes, which finish them themselves.
+    The first tasks go without a ring slot, the later ones with one, and a loader without a
+    ring lands each batch in memory of its own: every path is taken."""
+    pytest.importorskip("torchvision", reason="needs torchvision (the client environment)")
+    # 8 batches: the first 4 tasks go before the ring knows the batch size, without a slot
+    kwargs = {"batch_size": 2, "shuffle": True, "num_workers": 2}
+    for name, transform in _classic_transforms().items():
+        dataset = _accelerated(jpegs, transform)
+        loaders = {"stock": DataLoader(dataset, **kwargs), "process": FastLoader(dataset, **kwargs),
+                   "ray": FastLoader(dataset, worker_mode="ray", **kwargs)}
+        if name == "ToTensor-Normalize":
+            loaders["ray, no ring"] = FastLoader(dataset, worker_mode="ray", ring_slots=0, **kwargs)
+        epochs = {mode: run_epochs(loader, 1, seed=5)[0] for mode, loader in loaders.items()}
+        assert epochs["ray"][0][0].dtype == torch.float32, name
+        for mode in loaders:
+            assert_same(epochs["stock"], epochs[mode])
+
+
+def test_accelerated_pipeline_with_a_device(cluster, jpegs):
     """``fastfeed.vision.accelerate`` with ``device=``: the workers make uint8 crops, the batch
     tail runs here (the default path, a quarter of the bytes on the wire); the batches are
     those of worker processes."""
     pytest.importorskip("torchvision", reason="needs torchvision (the client environment)")
-    from fastfeed.bench.data import classic_imagefolder
-
-    for i, (image, label) in enumerate(labelled_jpegs(16, classes=2)):
-        (tmp_path / f"class_{label}").mkdir(exist_ok=True)
-        (tmp_path / f"class_{label}" / f"{i:03d}.jpg").write_bytes(image)
+    dataset = _accelerated(jpegs, _classic_transforms()["ToTensor-Normalize"])
     batches = []
     for mode in ("process", "ray"):
         torch.manual_seed(5)
-        batches.append(list(FastLoader(classic_imagefolder(tmp_path, accelerated=True),
-                                       batch_size=4, shuffle=True, num_workers=2,
+        batches.append(list(FastLoader(dataset, batch_size=4, shuffle=True, num_workers=2,
                                        device="cpu", worker_mode=mode)))
     assert batches[1][0][0].dtype == torch.float32  # finished here, from uint8
     assert_same(*batches)

@@ -58,7 +58,8 @@ class BaseIterator:
 
     def __init__(self, loader: DataLoader, setup: IteratorSetup) -> None:
         self._setup = setup
-        self._dataset: Any = loader.dataset if setup.dataset is None else setup.dataset
+        tail = setup.tail  # a dataset whose tail runs on whole batches: where it runs
+        self._dataset: Any = loader.dataset if tail.dataset is None else tail.dataset
         self._iterable = is_iterable_dataset(loader.dataset)
         self._len_called = loader._IterableDataset_len_called
         self._auto_collation = loader.batch_sampler is not None
@@ -66,13 +67,13 @@ class BaseIterator:
         self._index_sampler = loader._index_sampler
         self._num_workers = loader.num_workers
         self._timeout = loader.timeout
-        self._collate_fn = loader.collate_fn if setup.collate_fn is None else setup.collate_fn
+        self._collate_fn = loader.collate_fn if tail.collate_fn is None else tail.collate_fn
         self._worker_init_fn = loader.worker_init_fn
         self._persistent_workers = loader.persistent_workers
         self._telemetry = setup.telemetry
         # Run by the device stage, before gpu_transform: it finishes the batches this
         # iterator's workers were set up to make.
-        self.device_tail = setup.device_tail
+        self.device_tail = tail.device_tail
 
         if loader.pin_memory and loader.pin_memory_device:
             warnings.warn(

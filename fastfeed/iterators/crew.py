@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from fastfeed.collate import Empty
 from fastfeed.iterators.backends import ProcessBackend, ThreadBackend
 from fastfeed.iterators.liveness import WorkerExited, next_message, raise_if_a_worker_died
 from fastfeed.iterators.tasks import TaskBook
@@ -41,15 +42,17 @@ atexit.register(_mark_exiting)
 
 
 def make_backend(mode: str, multiprocessing_context: Any,
-                 ray_options: dict[str, Any] | None = None) -> Any:
-    """The backend for ``worker_mode`` ``mode`` (``"process"``, ``"thread"`` or ``"ray"``)."""
+                 ray_options: dict[str, Any] | None = None,
+                 landing_tail: Callable[[Any, Empty], Any] | None = None) -> Any:
+    """The backend for ``worker_mode`` ``mode`` (``"process"``, ``"thread"`` or ``"ray"``;
+    Ray's finishes each batch with ``landing_tail`` as it lands it, if given)."""
     if mode == "thread":
         return ThreadBackend()
     if mode == "ray":
         # Only when asked for: it imports Ray.
         from fastfeed.iterators.ray_backend import RayBackend
 
-        return RayBackend(ray_options)
+        return RayBackend(ray_options, landing_tail)
     return ProcessBackend(multiprocessing_context or torch.multiprocessing)
 
 

@@ -64,7 +64,7 @@ class WorkerPoolIterator(BaseIterator):
         self._epoch = 0
         self._book = TaskBook()
         backend = make_backend(setup.worker_mode, loader.multiprocessing_context,
-                               setup.ray_options)
+                               setup.ray_options, setup.tail.landing_tail)
         self.ring = setup.ring  # the loader gives one to the backends whose batches use it
         self._crew = WorkerCrew(backend, self._book, self.ring, self._timeout)
         self._table = self._crew.table

@@ -6,8 +6,9 @@ A task's way::
     pool ── Task(seq, index, slot_id) ──> RemoteWorker.put ──actor call──> RayWorker.run
                                                         (the worker loop: fetch, collate, ship)
     pool <── Answer(seq, Produced(Encoded)) ── get(): the codec copies the batch from the
-                                               object store into the task's slot, once; the
-                                               object reference is dropped
+                                               object store into the task's slot, once (or
+                                               the landing tail writes its finished form
+                                               there); the object reference is dropped
 
 The crew reads answers from ``backend.result_queue``, which here is the backend itself: an
 answer waits in Ray's object store behind its worker's oldest call, not on a queue. Only each
@@ -42,7 +43,8 @@ import torch
 from fastfeed.cluster.actor import RayWorker
 from fastfeed.cluster.options import actor_options, connected_ray
 from fastfeed.cluster.wire import unship
-from fastfeed.codec import decode, encode
+from fastfeed.codec import decode, encode, slot_bytes_needed
+from fastfeed.collate import Empty, torch_empty
 from fastfeed.iterators.backends import WorkerHandle
 from fastfeed.iterators.liveness import WorkerExited
 from fastfeed.protocol import (
@@ -141,6 +143,11 @@ class RayBackend:
     Args:
         ray_options: where the actors go and what each takes (see
             :func:`fastfeed.cluster.options.actor_options`).
+        landing_tail: ``landing_tail(batch, empty)`` finishes each batch as it lands, writing
+            its output with the slot's allocator: the workers then ship a dataset's short
+            items (uint8 images: a quarter of float32's bytes through the object store), and
+            the float batch is written into the slot where a copy would have been
+            (:mod:`fastfeed.tail`).
 
     Raises:
         ImportError: Ray is not installed.
@@ -149,7 +156,8 @@ class RayBackend:
 
     kind = "ray"
 
-    def __init__(self, ray_options: dict[str, Any] | None = None) -> None:
+    def __init__(self, ray_options: dict[str, Any] | None = None,
+                 landing_tail: Callable[[Any, Empty], Any] | None = None) -> None:
         self._ray = connected_ray()
         self._exceptions = self._ray.exceptions
         self._actor_class = self._ray.remote(RayWorker)
@@ -159,6 +167,7 @@ class RayBackend:
         self._workers: dict[int, RemoteWorker] = {}
         self._ring: SlotRing | None = None
         self._dataset: tuple[Any, Any] | None = None  # (the dataset, its object reference)
+        self._landing_tail = landing_tail
         self.result_queue = self
 
     # -- starting and ending actors ----------------------------------------------------------
@@ -268,15 +277,22 @@ class RayBackend:
         worker.restart()
 
     def _into_slot(self, shipped: Shipped, slot_id: int | None) -> Encoded | Any:
-        """The batch, copied once from the object store: into the task's ring slot, or into a
-        slot of this process's own for a task sent without one (the ring adopts it); without
-        a ring, into memory of its own."""
+        """The batch, copied once from the object store (finished by the landing tail, if
+        any): into the task's ring slot, or into a slot of this process's own for a task sent
+        without one (the ring adopts it); without a ring, into memory of its own."""
         batch = unship(shipped)
-        if self._ring is None:
+        land = self._landing_tail
+        if self._ring is None:  # the shipped batch copied out, then finished
             buffer = torch.empty(shipped.nbytes, dtype=torch.uint8)
-            return decode(encode(batch, Arena(None, buffer)), Lease(buffer.numpy()))
+            batch = decode(encode(batch, Arena(None, buffer)), Lease(buffer.numpy()))
+            return batch if land is None else land(batch, torch_empty)
         if slot_id is not None:
             memory: np.ndarray = self._ring.assigned_memory(slot_id)
-            return encode(batch, Arena(slot_id, torch.from_numpy(memory)))
-        slot = _PrivateSlot(shipped.nbytes)
+            arena = Arena(slot_id, torch.from_numpy(memory))
+            return encode(batch if land is None else land(batch, arena.empty), arena)
+        nbytes = shipped.nbytes
+        if land is not None:  # the finished batch's size is known once it is made
+            batch = land(batch, torch_empty)
+            nbytes = slot_bytes_needed(batch)
+        slot = _PrivateSlot(nbytes)
         return replace(encode(batch, slot.arena), private_slot=slot)

@@ -7,13 +7,13 @@ back into ``FastLoader``: the dependency runs one way, loader to iterators.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from fastfeed.autotune import WorkerTuner
 from fastfeed.resume import LoaderState
 from fastfeed.ring import SlotRing
+from fastfeed.tail import TailPlacement
 from fastfeed.telemetry import Telemetry
 
 __all__ = ["CarryOver", "IteratorSetup"]
@@ -51,9 +51,6 @@ class IteratorSetup:
     deterministic: bool = False
     # False when a device stage wraps the iterator: it measures the consumer's wait itself.
     record_delivery: bool = True
-    # What the workers run instead of the loader's dataset and collate_fn, and what the device
-    # stage runs on each batch first (same batches): a dataset whose tail runs on whole
-    # batches (see fastfeed.tail).
-    dataset: Any = None
-    collate_fn: Callable[[list], Any] | None = None
-    device_tail: Callable[[Any], Any] | None = None
+    # Where a dataset whose tail runs on whole batches has it run (see fastfeed.tail): what the
+    # workers read and collate with, and what finishes their batches (same batches).
+    tail: TailPlacement = field(default_factory=TailPlacement)

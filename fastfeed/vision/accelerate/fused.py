@@ -77,7 +77,7 @@ class FusedTransform:
         if deferred is None:
             return None
         dataset, tail = deferred
-        return BatchTailSplit(dataset, tail, TailCollate(tail))
+        return BatchTailSplit(dataset, tail, TailCollate(tail), tail.finish_into)
 
     def __call__(self, encoded: EncodedImage) -> Any:
         if not isinstance(encoded, EncodedImage):

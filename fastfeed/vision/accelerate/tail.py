@@ -200,6 +200,18 @@ class BatchTail:
         return result
 
 
+    def finish_into(self, batch: Any, empty: Empty) -> Any:
+        """:meth:`__call__` on ``batch`` (``default_collate``'s, uint8 images first), its
+        float images computed by :meth:`into` in memory from ``empty``: how the main process
+        finishes a batch from Ray workers as it lands it in a ring slot. Anything else takes
+        :meth:`__call__`."""
+        images, *rest = batch
+        if not (self.converts_to_float and type(images) is torch.Tensor
+                and images.dtype == torch.uint8):
+            return self(batch)
+        return type(batch)([self.into(images, empty), *rest])
+
+
 class TailCollate:
     """``default_collate``, then a :class:`BatchTail`: how :class:`~fastfeed.FastLoader`
     collates an accelerated dataset whose tail runs on whole batches.
