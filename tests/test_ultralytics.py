@@ -172,6 +172,9 @@ def test_images_gathered_into_the_slot_equal_stock(yolo_root, mode, channels):
         samples = [data[i] for i in range(8)]
         if prepared:
             assert all(isinstance(s["img"], FormattedImage) for s in samples)
+            # training leaves RandomHSV's jitter of colour images to the gather
+            deferred = [s["img"].hsv_table is not None for s in samples]
+            assert all(deferred) if (mode, channels) == ("train", 3) else not any(deferred)
         batches.append([collate(samples[:4]), collate(samples[4:]), random.random()])
     assert_same(batches[1], batches[0])
 
@@ -699,6 +702,50 @@ def test_hsv_jitter_keeps_ultralytics_bytes_and_draws():
         outputs.append([transform({"img": image.copy()})["img"] for image in images]
                        + [np.random.random()])
     assert_same(outputs[1], outputs[0])
+
+
+def test_gather_jittered_is_the_jitter_then_the_gather():
+    """Mirrored views either way, both channel orders, images without a table, and a width
+    that leaves a scalar tail, against hsv_jitter in place and a transposing copy."""
+    from fastfeed.collate import torch_empty
+    from fastfeed.ultralytics.hsv import draw_lut, gather_jittered, hsv_jitter
+    from ultralytics.data.augment import RandomHSV
+
+    rng = np.random.default_rng(5)
+    np.random.seed(5)
+    for width in (64, 37):
+        images = [rng.integers(0, 256, (24, width, 3), dtype=np.uint8) for _ in range(6)]
+        tables = [draw_lut(RandomHSV(0.5, 0.5, 0.5)) if i % 3 else None for i in range(6)]
+        views, reverse, expected = [], [], []
+        for i, (image, table) in enumerate(zip(images, tables)):
+            jittered = image.copy()
+            if table is not None:  # a 64-wide copy: the kernel's vector path for every pixel
+                padded = np.zeros((24, 64, 3), np.uint8)
+                padded[:, :width] = image
+                hsv_jitter(padded, table)
+                jittered = padded[:, :width]
+            flip = (slice(None, None, -1 if i % 2 else 1), slice(None, None, -1 if i > 2 else 1))
+            views.append(image[flip])
+            reverse.append(i in (1, 4))
+            chw = jittered[flip].transpose(2, 0, 1)
+            expected.append(chw[::-1] if reverse[-1] else chw)
+        got = gather_jittered(views, tables, torch_empty, reverse)
+        assert np.array_equal(got.numpy(), np.stack(expected))
+
+
+def test_deferred_jitter_refuses_another_image():
+    """A table held for one image is never applied to another: a transform that replaced the
+    image between RandomHSV and Format is an error, not silently unjittered pixels."""
+    from fastfeed.ultralytics.hsv import DeferredJitter
+
+    image, other = np.zeros((4, 32, 3), np.uint8), np.zeros((4, 32, 3), np.uint8)
+    deferred = DeferredJitter()
+    deferred.hold(image, np.zeros((3, 256), np.uint8))
+    assert deferred.take(np.fliplr(np.flipud(image))) is not None
+    assert deferred.take(image) is None  # taken once
+    deferred.hold(image, np.zeros((3, 256), np.uint8))
+    with pytest.raises(RuntimeError, match="not the one RandomHSV jittered"):
+        deferred.take(other)
 
 
 # -- one image cache per machine (patch(cache="shared")) --------------------------------------

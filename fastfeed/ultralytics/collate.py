@@ -5,7 +5,8 @@ BGR to RGB), ``YOLODataset.collate_fn`` stacks those into a batch, and a loader 
 batch into shared memory: three passes over the pixels. Here, inside each worker, ``Format``
 hands over the ``H×W×C`` view it was given (mirrored by the flips or not) and the channel order
 it drew, and the collate gathers every image transposed, in its channel order, into the slot:
-one pass. Ultralytics' own code draws every random number and builds every other key; the batch
+one pass, which also applies ``RandomHSV``'s jitter where that transform only drew its table
+(:func:`fastfeed.ultralytics.hsv.defer_jitter`). Ultralytics' own code draws every random number and builds every other key; the batch
 is the stock one, byte for byte.
 """
 
@@ -19,15 +20,18 @@ import torch
 from torch.utils.data import get_worker_info
 
 from fastfeed.collate import Empty, gather_images, torch_empty
+from fastfeed.ultralytics.hsv import defer_jitter, gather_jittered
 
 __all__ = ["FormattedImage", "InWorkers", "SlotCollate", "draws_reverse", "flatten",
            "format_into_slot", "gathers_images"]
 
 class FormattedImage(NamedTuple):
-    """An image ``Format`` left for the collate: its ``H×W×C`` view and channel order."""
+    """An image ``Format`` left for the collate: its ``H×W×C`` view, channel order, and the HSV
+    table still to apply to it (see :func:`fastfeed.ultralytics.hsv.defer_jitter`)."""
 
     hwc: np.ndarray
     reverse: bool
+    hsv_table: np.ndarray | None = None
 
 
 def flatten(transform: Any) -> Iterator[Any]:
@@ -64,13 +68,17 @@ def draws_reverse(format_img: Callable[[np.ndarray], torch.Tensor], channels: in
 
 
 def format_into_slot(dataset: Any) -> None:
-    """Make ``dataset``'s ``Format`` (in this process) hand its images to :class:`SlotCollate`."""
-    transform = list(flatten(dataset.transforms))[-1]
+    """Make ``dataset``'s ``Format`` (in this process) hand its images to :class:`SlotCollate`,
+    with ``RandomHSV``'s jitter left to the gather where it can be."""
+    transforms = list(flatten(dataset.transforms))
+    transform = transforms[-1]
     format_img = transform._format_img
+    deferred = defer_jitter(transforms)
 
     def formatted(img: np.ndarray) -> FormattedImage:
         hwc = img if img.ndim == 3 else img[..., None]
-        return FormattedImage(hwc, draws_reverse(format_img, hwc.shape[2]))
+        table = None if deferred is None else deferred.take(hwc)
+        return FormattedImage(hwc, draws_reverse(format_img, hwc.shape[2]), table)
 
     transform._format_img = formatted
 
@@ -118,5 +126,8 @@ class SlotCollate:
     def gather(self, images: list, empty: Empty) -> torch.Tensor:
         """The batch's images as one tensor from ``empty``."""
         if images and isinstance(images[0], FormattedImage):
-            return gather_images([i.hwc for i in images], empty, [i.reverse for i in images])
+            views, reverse = [i.hwc for i in images], [i.reverse for i in images]
+            if any(i.hsv_table is not None for i in images):
+                return gather_jittered(views, [i.hsv_table for i in images], empty, reverse)
+            return gather_images(views, empty, reverse)
         return gather_images(images, empty)

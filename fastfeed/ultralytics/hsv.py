@@ -11,22 +11,32 @@ process, and any difference (OpenCV 4 rounds where 5 truncates) leaves every ima
 So do images that are not 3-channel ``uint8`` with contiguous pixels, and widths that are not a
 multiple of 32: OpenCV computes the last ``width mod 32`` pixels of a row with scalar code that
 rounds differently.
+
+In a prepared worker the jitter moves later still (:func:`defer_jitter`): ``RandomHSV`` draws its
+table where Ultralytics draws it and leaves the pixels alone; the collate then applies the table
+while it gathers the image into the batch's ``C×H×W`` planes (:func:`gather_jittered`), so the
+jitter and the layout change are one pass over the pixels instead of two. Only flips, which move
+pixels without reading them, may stand between ``RandomHSV`` and ``Format`` for this.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
+import torch
+
+from fastfeed.collate import Empty
 
 try:
     from fastfeed import _hsv  # type: ignore[attr-defined]
 except ImportError:  # installed without a C++ compiler: every image stays OpenCV's
     _hsv = None
 
-__all__ = ["draw_lut", "exact_hsv", "hsv_jitter", "matches_opencv"]
+__all__ = ["DeferredJitter", "defer_jitter", "draw_lut", "exact_hsv",
+           "gather_jittered", "hsv_jitter", "matches_opencv"]
 
 _WIDTH_MULTIPLE = 32
 
@@ -121,3 +131,95 @@ def exact_hsv(apply_image: ApplyImage) -> ApplyImage:
         return labels
 
     return jitter
+
+
+class DeferredJitter:
+    """The table ``RandomHSV`` drew for the sample in flight, with the image it is for, held
+    until ``Format`` hands that image to the collate (see :func:`defer_jitter`)."""
+
+    def __init__(self) -> None:
+        self._image: np.ndarray | None = None
+        self._table: np.ndarray | None = None
+
+    def hold(self, image: np.ndarray | None, table: np.ndarray | None) -> None:
+        self._image, self._table = image, table
+
+    def take(self, view: np.ndarray) -> np.ndarray | None:
+        """The table held for ``view``'s pixels (the image or a mirrored view of it), and
+        nothing held after this.
+
+        Raises:
+            RuntimeError: a table is held for other pixels: a transform between ``RandomHSV``
+                and ``Format`` replaced the image, and its jitter would be lost.
+        """
+        image, table = self._image, self._table
+        self.hold(None, None)
+        if table is None:
+            return None
+        owner = image if image.base is None else image.base  # type: ignore[union-attr]
+        if view.shape != image.shape or (view is not image and view.base is not owner):  # type: ignore[union-attr]
+            raise RuntimeError("fastfeed: the image reaching Format is not the one RandomHSV "
+                               "jittered; patch() defers the jitter only past flips")
+        return table
+
+
+def defer_jitter(transforms: Sequence[Any]) -> DeferredJitter | None:
+    """Make the ``RandomHSV`` in ``transforms`` (an Ultralytics pipeline ending in ``Format``, in
+    this process) draw its table without applying it, where only flips follow it; the
+    :class:`DeferredJitter` that ``Format`` takes the table from, or ``None`` where the jitter
+    stays where it is.
+
+    The table is drawn exactly where Ultralytics draws it, so every later random draw is the
+    stock one; images the one-pass kernel does not take are jittered on the spot as before.
+    """
+    from ultralytics.data.augment import RandomFlip, RandomHSV
+
+    found = [i for i, t in enumerate(transforms) if type(t) is RandomHSV]
+    if len(found) != 1 or not all(type(t) is RandomFlip for t in transforms[found[0] + 1:-1]):
+        return None
+    if not matches_opencv():
+        return None
+    transform, deferred = transforms[found[0]], DeferredJitter()
+    apply_now = transform.apply_image  # the class's (exact_hsv), bound
+
+    def draw_only(labels: dict, params: dict | None = None) -> dict:
+        img = labels["img"]
+        deferred.hold(None, None)
+        if img.shape[-1] != 3 or not (transform.hgain or transform.sgain or transform.vgain):
+            return labels  # RandomHSV leaves these alone and draws nothing
+        if _unsupported(img):
+            return apply_now(labels, params)
+        deferred.hold(img, draw_lut(transform))
+        return labels
+
+    transform.apply_image = draw_only
+    return deferred
+
+
+def gather_jittered(images: Sequence[np.ndarray], tables: Sequence[np.ndarray | None],
+                    empty: Empty, reverse_channels: Sequence[bool]) -> torch.Tensor:
+    """``images`` gathered into one ``N×3×H×W`` uint8 tensor from ``empty``, each mapped
+    through its table as :func:`hsv_jitter` maps it (``None``: as it is), channels reversed
+    where ``reverse_channels`` says so.
+
+    Raises:
+        ValueError: the images differ in shape, or one is not an ``H×W×3`` uint8 view whose
+            pixels lie 3 bytes apart (either way) with contiguous channels.
+    """
+    shapes = {image.shape for image in images}
+    if len(shapes) != 1:
+        raise ValueError(f"fastfeed: the images of one batch differ in shape: {sorted(shapes)}")
+    for image in images:
+        if (image.dtype != np.uint8 or image.shape[2:] != (3,) or abs(image.strides[1]) != 3
+                or image.strides[2] != 1):
+            raise ValueError(f"gather_jittered: needs H×W×3 uint8 views with pixels 3 bytes "
+                             f"apart, got {image.dtype} {image.shape} strides {image.strides}")
+    height, width = images[0].shape[:2]
+    out = empty((len(images), 3, height, width), torch.uint8)
+    tables = [None if t is None else np.ascontiguousarray(t, np.uint8) for t in tables]
+    _hsv.gather_jittered(out.data_ptr(), [
+        (image.__array_interface__["data"][0], image.strides[0], image.strides[1] < 0, reverse,
+         0 if table is None else table.ctypes.data)
+        for image, table, reverse in zip(images, tables, reverse_channels, strict=True)],
+        height, width)
+    return out
