@@ -1,4 +1,4 @@
-// The kernels' AVX2/FMA code paths: the target attribute that compiles a function for them, and
+// The kernels' AVX2/FMA (and AVX-512) code paths: the target attribute that compiles a function for them, and
 // the run-time check that this CPU has them. On x86 a build for the baseline ISA would make
 // std::fma a slow library call, so those functions are compiled for the target and run only
 // where the CPU supports it; elsewhere the compiler's own target is used as it is.
@@ -10,7 +10,16 @@
 inline bool has_avx2_fma() {
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
+// AVX-512 with byte and word (BW) and double/quad (DQ) instructions, on top of AVX2 and FMA.
+#define FASTFEED_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma")))
+inline bool has_avx512() {
+    return has_avx2_fma() && __builtin_cpu_supports("avx512f") &&
+           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
+           __builtin_cpu_supports("avx512vl");
+}
 #else
 #define FASTFEED_AVX2_FMA
+#define FASTFEED_AVX512
 inline bool has_avx2_fma() { return true; }
+inline bool has_avx512() { return false; }
 #endif

@@ -2,8 +2,9 @@
 // with OpenCV 5's arithmetic, bit for bit.
 //
 // Ultralytics runs cv2.cvtColor(COLOR_BGR2HSV), cv2.LUT and cv2.cvtColor(COLOR_HSV2BGR): three
-// passes over the image and two temporaries. Here each row goes through all three steps in a
-// few planar passes over a block of pixels that stays in L1, written back in place.
+// passes over the image and two temporaries. Here each pixel goes through all three steps in
+// registers: eight pixels at a time with AVX2, sixteen with AVX-512 (the same operations, lane
+// for lane), and the scalar reference for a row's last few.
 //
 // The arithmetic is OpenCV 5's (modules/imgproc/src/color_hsv.simd.hpp):
 // - BGR->HSV in integers: v = max, diff = v - min, s = (diff * sdiv[v] + 2^11) >> 12,
@@ -212,16 +213,117 @@ FASTFEED_AVX2_FMA inline Bgr8 jitter8(Bgr8 px, const Luts& lut, const Tables& t)
     return {to_int(bf, scale), to_int(gf, scale), to_int(rf, scale)};
 }
 
-FASTFEED_AVX2_FMA void jitter_row_avx2(uint8_t* px, int n, const Luts& lut, const Tables& t) {
+// Sixteen pixels' channels, one int32 lane each.
+struct Bgr16 {
+    __m512i b, g, r;
+};
+
+FASTFEED_AVX512 inline Bgr16 join(Bgr8 lo, Bgr8 hi) {
+    return {_mm512_inserti64x4(_mm512_castsi256_si512(lo.b), hi.b, 1),
+            _mm512_inserti64x4(_mm512_castsi256_si512(lo.g), hi.g, 1),
+            _mm512_inserti64x4(_mm512_castsi256_si512(lo.r), hi.r, 1)};
+}
+
+FASTFEED_AVX512 inline Bgr8 half(Bgr16 px, bool upper) {
+    return upper ? Bgr8{_mm512_extracti64x4_epi64(px.b, 1), _mm512_extracti64x4_epi64(px.g, 1),
+                        _mm512_extracti64x4_epi64(px.r, 1)}
+                 : Bgr8{_mm512_castsi512_si256(px.b), _mm512_castsi512_si256(px.g),
+                        _mm512_castsi512_si256(px.r)};
+}
+
+FASTFEED_AVX512 inline __m512 pick16(__m512 a, __m512 b, __mmask16 take_b) {
+    return _mm512_mask_blend_ps(take_b, a, b);
+}
+
+// Sixteen pixels through the jitter: jitter8's operations on twice the lanes (AVX-512 halves
+// the arithmetic per pixel; the table lookups stay gathers).
+FASTFEED_AVX512 inline Bgr16 jitter16(Bgr16 px, const Luts& lut, const Tables& t) {
+    const __m512i half_unit = _mm512_set1_epi32(kHalf), full_turn = _mm512_set1_epi32(180);
+    const __m512i zero = _mm512_setzero_si512(), five = _mm512_set1_epi32(5);
+    const __m512 to_sector = _mm512_set1_ps(kToSector), to_unit = _mm512_set1_ps(kToUnit);
+    const __m512 one = _mm512_set1_ps(1.f), six = _mm512_set1_ps(6.f);
+    const __m512 scale = _mm512_set1_ps(255.f);
+    const __m512i b = px.b, g = px.g, r = px.r;
+
+    const __m512i value = _mm512_max_epi32(_mm512_max_epi32(b, g), r);
+    const __m512i diff = _mm512_sub_epi32(value, _mm512_min_epi32(_mm512_min_epi32(b, g), r));
+    const __m512i sat = _mm512_srai_epi32(_mm512_add_epi32(
+        _mm512_mullo_epi32(diff, _mm512_i32gather_epi32(value, t.sdiv, 4)), half_unit), kShift);
+    const __m512i diff2 = _mm512_add_epi32(diff, diff);
+    const __m512i from_r = _mm512_sub_epi32(g, b);
+    const __m512i from_g = _mm512_add_epi32(_mm512_sub_epi32(b, r), diff2);
+    const __m512i from_b = _mm512_add_epi32(_mm512_sub_epi32(r, g), _mm512_add_epi32(diff2, diff2));
+    const __m512i hue6 = _mm512_mask_blend_epi32(
+        _mm512_cmpeq_epi32_mask(value, r),
+        _mm512_mask_blend_epi32(_mm512_cmpeq_epi32_mask(value, g), from_b, from_g), from_r);
+    __m512i hue = _mm512_srai_epi32(_mm512_add_epi32(
+        _mm512_mullo_epi32(hue6, _mm512_i32gather_epi32(diff, t.hdiv, 4)), half_unit), kShift);
+    hue = _mm512_mask_add_epi32(hue, _mm512_cmplt_epi32_mask(hue, zero), hue, full_turn);
+
+    __m512 h = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_i32gather_epi32(hue, lut.h, 4)), to_sector);
+    const __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_i32gather_epi32(sat, lut.s, 4)), to_unit);
+    const __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_i32gather_epi32(value, lut.v, 4)), to_unit);
+    h = _mm512_mask_sub_ps(h, _mm512_cmp_ps_mask(h, six, _CMP_GE_OQ), h, six);
+    const __m512 floor_h = _mm512_roundscale_ps(h, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(h, floor_h);
+    const __m512i sector = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvttps_epi32(floor_h), zero), five);
+    const __m512 p = _mm512_mul_ps(v, _mm512_sub_ps(one, s));
+    const __m512 q = _mm512_mul_ps(v, _mm512_fnmadd_ps(s, f, one));
+    const __m512 u = _mm512_mul_ps(v, _mm512_fnmadd_ps(s, _mm512_sub_ps(one, f), one));
+    const __mmask16 s0 = _mm512_cmpeq_epi32_mask(sector, zero);
+    const __mmask16 s1 = _mm512_cmpeq_epi32_mask(sector, _mm512_set1_epi32(1));
+    const __mmask16 s2 = _mm512_cmpeq_epi32_mask(sector, _mm512_set1_epi32(2));
+    const __mmask16 s3 = _mm512_cmpeq_epi32_mask(sector, _mm512_set1_epi32(3));
+    const __mmask16 s4 = _mm512_cmpeq_epi32_mask(sector, _mm512_set1_epi32(4));
+    // (b, g, r) by sector: (p,u,v) (p,v,q) (u,v,p) (v,q,p) (v,p,u) (q,p,v)
+    const __m512 bf = pick16(pick16(pick16(q, v, s3 | s4), u, s2), p, s0 | s1);
+    const __m512 gf = pick16(pick16(pick16(p, q, s3), v, s1 | s2), u, s0);
+    const __m512 rf = pick16(pick16(pick16(pick16(v, u, s4), p, s2 | s3), q, s1), v, s0);
+    return {_mm512_cvttps_epi32(_mm512_mul_ps(bf, scale)), _mm512_cvttps_epi32(_mm512_mul_ps(gf, scale)),
+            _mm512_cvttps_epi32(_mm512_mul_ps(rf, scale))};
+}
+
+// Sixteen values in [0, 255] (int32 lanes) as sixteen bytes at `dst`.
+FASTFEED_AVX512 inline void store_plane16(uint8_t* dst, __m512i x) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(x));
+}
+
+// The rows' drivers with AVX-512: sixteen pixels at a time, then the AVX2 ones for the rest.
+FASTFEED_AVX512 int jitter_row_avx512(uint8_t* px, int n, const Luts& lut, const Tables& t) {
     int i = 0;
+    for (; i + 16 <= n; i += 16) {
+        uint8_t* p16 = px + 3 * i;
+        const Bgr16 out = jitter16(join(load8(p16, false), load8(p16 + 24, false)), lut, t);
+        store8(p16, half(out, false));
+        store8(p16 + 24, half(out, true));
+    }
+    return i;
+}
+
+FASTFEED_AVX512 int gather_row_avx512(const uint8_t* row, bool mirrored, int n, const Luts* lut,
+                                      const Tables& t, uint8_t* const planes[3]) {
+    int x = 0;
+    for (; x + 16 <= n; x += 16) {
+        const Bgr8 lo = load8(mirrored ? row - 3 * (x + 7) : row + 3 * x, mirrored);
+        const Bgr8 hi = load8(mirrored ? row - 3 * (x + 15) : row + 3 * (x + 8), mirrored);
+        Bgr16 px = join(lo, hi);
+        if (lut != nullptr) px = jitter16(px, *lut, t);
+        store_plane16(planes[0] + x, px.b);
+        store_plane16(planes[1] + x, px.g);
+        store_plane16(planes[2] + x, px.r);
+    }
+    return x;
+}
+
+FASTFEED_AVX2_FMA void jitter_row_avx2(uint8_t* px, int i, int n, const Luts& lut,
+                                       const Tables& t) {
     for (; i + 8 <= n; i += 8) store8(px + 3 * i, jitter8(load8(px + 3 * i, false), lut, t));
     for (; i < n; ++i) jitter_pixel(px + 3 * i, lut, t);
 }
 
-// One row of gather_jittered, eight pixels at a time (see Row below).
-FASTFEED_AVX2_FMA int gather_row_avx2(const uint8_t* row, bool mirrored, int n, const Luts* lut,
-                                      const Tables& t, uint8_t* const planes[3]) {
-    int x = 0;
+// Pixels x.. of one row of gather_jittered, eight at a time; returns where it stopped.
+FASTFEED_AVX2_FMA int gather_row_avx2(const uint8_t* row, bool mirrored, int x, int n,
+                                      const Luts* lut, const Tables& t, uint8_t* const planes[3]) {
     for (; x + 8 <= n; x += 8) {
         // Mirrored, output pixels x..x+7 are the row's pixels -x-7..-x, stored left to right.
         Bgr8 px = load8(mirrored ? row - 3 * (x + 7) : row + 3 * x, mirrored);
@@ -237,7 +339,7 @@ FASTFEED_AVX2_FMA int gather_row_avx2(const uint8_t* row, bool mirrored, int n, 
 void jitter_row(uint8_t* px, int n, const Luts& lut, const Tables& t) {
 #if defined(__x86_64__) || defined(__i386__)
     if (has_avx2_fma()) {
-        jitter_row_avx2(px, n, lut, t);
+        jitter_row_avx2(px, has_avx512() ? jitter_row_avx512(px, n, lut, t) : 0, n, lut, t);
         return;
     }
 #endif
@@ -294,7 +396,10 @@ void gather_jittered(uintptr_t dst, const std::vector<JitterSource>& sources, in
             for (int c = 0; c < 3; ++c) bgr[c] = image + (rgb ? 2 - c : c) * plane + y * width;
             int x = 0;
 #if defined(__x86_64__) || defined(__i386__)
-            if (has_avx2_fma()) x = gather_row_avx2(row, mirrored, width, lut, t, bgr);
+            if (has_avx2_fma()) {
+                x = has_avx512() ? gather_row_avx512(row, mirrored, width, lut, t, bgr) : 0;
+                x = gather_row_avx2(row, mirrored, x, width, lut, t, bgr);
+            }
 #endif
             for (; x < width; ++x) {
                 const uint8_t* px = row + (mirrored ? -3 : 3) * x;

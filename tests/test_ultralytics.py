@@ -707,17 +707,18 @@ def test_hsv_jitter_keeps_ultralytics_bytes_and_draws():
 def test_gather_jittered_is_the_jitter_then_the_gather():
     """Mirrored views either way, both channel orders, images without a table, and a width
     that leaves a scalar tail, against hsv_jitter in place and a transposing copy."""
+    from ultralytics.data.augment import RandomHSV
+
     from fastfeed.collate import torch_empty
     from fastfeed.ultralytics.hsv import draw_lut, gather_jittered, hsv_jitter
-    from ultralytics.data.augment import RandomHSV
 
     rng = np.random.default_rng(5)
     np.random.seed(5)
-    for width in (64, 37):
+    for width in (64, 40, 37):  # 40 and 37: AVX-512, then AVX2 or scalar pixels
         images = [rng.integers(0, 256, (24, width, 3), dtype=np.uint8) for _ in range(6)]
         tables = [draw_lut(RandomHSV(0.5, 0.5, 0.5)) if i % 3 else None for i in range(6)]
         views, reverse, expected = [], [], []
-        for i, (image, table) in enumerate(zip(images, tables)):
+        for i, (image, table) in enumerate(zip(images, tables, strict=True)):
             jittered = image.copy()
             if table is not None:  # a 64-wide copy: the kernel's vector path for every pixel
                 padded = np.zeros((24, 64, 3), np.uint8)

@@ -6,8 +6,8 @@ batch into shared memory: three passes over the pixels. Here, inside each worker
 hands over the ``H×W×C`` view it was given (mirrored by the flips or not) and the channel order
 it drew, and the collate gathers every image transposed, in its channel order, into the slot:
 one pass, which also applies ``RandomHSV``'s jitter where that transform only drew its table
-(:func:`fastfeed.ultralytics.hsv.defer_jitter`). Ultralytics' own code draws every random number and builds every other key; the batch
-is the stock one, byte for byte.
+(:func:`fastfeed.ultralytics.hsv.defer_jitter`). Ultralytics' own code draws every random
+number and builds every other key; the batch is the stock one, byte for byte.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@
 drew (``cv2.LUT``) and converts back: three passes over the image and two temporaries, about a
 seventh of a worker's time on the large photos. ``fastfeed._hsv`` does the three steps pixel by
 pixel, in place, with OpenCV 5's arithmetic (integer BGR→HSV, float32 HSV→BGR with its fused
-multiply-adds, truncated), eight pixels at a time (see ``csrc/hsv_jitter.cpp``).
+multiply-adds, truncated), sixteen pixels at a time with AVX-512, eight with AVX2 (see
+``csrc/hsv_jitter.cpp``).
 
 Bit-identity is checked, not assumed: :func:`matches_opencv` runs a probe through both once per
 process, and any difference (OpenCV 4 rounds where 5 truncates) leaves every image to OpenCV.
