@@ -7,6 +7,7 @@ import json
 import pickle
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -119,3 +120,20 @@ def test_the_benchmark_compares_ray_with_processes(tmp_path):
     assert "| overhead |" in out.stdout and "| overhead-ray |" in out.stdout
     runs = json.loads((tmp_path / "runs.json").read_text())
     assert runs["overhead-ray"][0]["cores"]["workers"] > 0, "the actors' CPU was not read"
+
+
+def test_a_batch_lands_on_one_core_and_the_thread_count_comes_back():
+    """The landing's torch ops run on one thread (beside busy workers, several contend for
+    the cores); the caller's count comes back after, and threads started later get it."""
+    from fastfeed.iterators.ray_backend import _on_one_core, _thread_counts_are_per_thread
+
+    if not _thread_counts_are_per_thread():
+        pytest.skip("torch's thread count is process-wide here: the landing keeps it")
+    before = torch.get_num_threads()
+    with _on_one_core():
+        landing = torch.get_num_threads()
+    later = []
+    thread = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+    thread.start()
+    thread.join()
+    assert (landing, later, torch.get_num_threads()) == (1, [before], before)

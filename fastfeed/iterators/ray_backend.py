@@ -29,11 +29,13 @@ local worker does.
 from __future__ import annotations
 
 import collections
+import contextlib
+import functools
 import queue
 import time
 import uuid
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -65,6 +67,32 @@ __all__ = ["RayBackend", "RemoteWorker"]
 # Actors of one worker lost in a row, with no answer in between, before the loss is an error:
 # a dataset that kills its process would otherwise be restarted forever.
 MAX_LOSSES = 3
+
+
+@functools.cache
+def _thread_counts_are_per_thread() -> bool:
+    """Whether ``torch.set_num_threads`` sets the calling thread's count alone: with OpenMP,
+    ATen's parallel backend in torch's Linux builds (torch's pin-memory thread relies on it)."""
+    return "parallel backend: OpenMP" in torch.__config__.parallel_info()
+
+
+@contextlib.contextmanager
+def _on_one_core() -> Iterator[None]:
+    """torch's ops in this thread run on one core meanwhile. Landing a batch is memory-bound
+    work beside workers that keep the cores busy: split across the cores, each part waits for
+    a core to come free, and the whole costs several times the CPU (on two busy cores, a float
+    tail took 30 ms of CPU on two threads, 6.5 ms on one). Other threads keep their count; one
+    whose first parallel op falls inside a landing starts with one thread, as torch gives a new
+    thread the count last set (its own pin-memory thread leaves every later thread on one)."""
+    if not _thread_counts_are_per_thread():
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 @dataclass(eq=False)
@@ -246,7 +274,8 @@ class RayBackend:
         worker.losses = 0
         if isinstance(reply.outcome, Produced):
             assert isinstance(call.message, Task)
-            batch = self._into_slot(reply.outcome.batch, call.message.slot_id)
+            with _on_one_core():
+                batch = self._into_slot(reply.outcome.batch, call.message.slot_id)
             reply = Answer(reply.seq, replace(reply.outcome, batch=batch))
         return reply
 
