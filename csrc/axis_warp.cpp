@@ -16,13 +16,19 @@
 // That equality is an assumption about one OpenCV build; fastfeed.ultralytics.warp checks it
 // against cv2 at run time before it takes this path.
 //
+// The source is a canvas of tiles over the border value: an image is one tile covering it;
+// Ultralytics' 2x2 mosaic is four images placed on a grey canvas, and the horizontal pass reads
+// the needed parts of each needed row straight from the four, so the canvas is never laid out.
+//
 // The file is compiled with -ffp-contract=off: a fused y*M4 + M5 would round differently.
 
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <tuple>
 #include <vector>
 
 #include "cpu_features.h"
@@ -45,6 +51,14 @@ Inverse invert(double a, double b, double d, double e) {
     const double m0 = d * det, m4 = a * det;
     return {m0, -m0 * b, m4, -m4 * e};
 }
+
+// Canvas rows [y1, y2) and columns [x1, x2) hold an image whose pixel at canvas (y1, x1) is at
+// `origin`, rows `stride` bytes apart; where tiles overlap, the later one shows.
+struct Tile {
+    const uint8_t* origin;
+    int64_t stride;
+    int y1, y2, x1, x2;
+};
 
 struct Plan {
     std::vector<int> column;  // padded index of each output column's left neighbour
@@ -74,17 +88,26 @@ FASTFEED_AVX2_FMA Plan plan_columns(const Inverse& inv, int src_w, int out_w) {
     return plan;
 }
 
-// One source row (or the border, outside the source), interpolated at every output column.
-FASTFEED_AVX2_FMA void horizontal(const uint8_t* src, int64_t stride, int src_h, int64_t row,
-                                    const Plan& plan, float border, std::vector<float>& padded,
-                                    float* __restrict out, int out_w) {
+// One canvas row (or the border, outside the canvas), interpolated at every output column.
+FASTFEED_AVX2_FMA void horizontal(const std::vector<Tile>& tiles, bool covered, int src_h,
+                                    int64_t row, const Plan& plan, float border,
+                                    std::vector<float>& padded, float* __restrict out,
+                                    int out_w) {
     if (row < 0 || row >= src_h) {
         std::fill(out, out + static_cast<size_t>(out_w) * 3, border);
         return;
     }
-    const uint8_t* line = src + row * stride;
     float* base = padded.data();
-    for (int i = plan.first * 3; i < (plan.last + 1) * 3; ++i) base[kPad * 3 + i] = line[i];
+    if (!covered) {  // the grey between tiles
+        std::fill(base + (kPad + plan.first) * 3, base + (kPad + plan.last + 1) * 3, border);
+    }
+    for (const Tile& tile : tiles) {
+        const int lo = std::max(plan.first, tile.x1), hi = std::min(plan.last + 1, tile.x2);
+        if (row < tile.y1 || row >= tile.y2 || lo >= hi) continue;
+        const uint8_t* line = tile.origin + (row - tile.y1) * tile.stride + (lo - tile.x1) * 3;
+        float* dst = base + (kPad + lo) * 3;
+        for (int i = 0; i < (hi - lo) * 3; ++i) dst[i] = line[i];
+    }
     const int* column = plan.column.data();
     const float* alpha = plan.alpha.data();
     for (int x = 0; x < out_w; ++x) {
@@ -96,10 +119,12 @@ FASTFEED_AVX2_FMA void horizontal(const uint8_t* src, int64_t stride, int src_h,
     }
 }
 
-FASTFEED_AVX2_FMA void warp(const uint8_t* src, int src_h, int src_w, int64_t stride,
+FASTFEED_AVX2_FMA void warp(const std::vector<Tile>& tiles, int src_h, int src_w,
                               uint8_t* dst, int out_h, int out_w, const Inverse& inv,
                               float border) {
     const Plan plan = plan_columns(inv, src_w, out_w);
+    const bool covered = tiles.size() == 1 && tiles[0].y1 <= 0 && tiles[0].x1 <= 0 &&
+                         tiles[0].y2 >= src_h && tiles[0].x2 >= src_w;
     std::vector<float> padded(static_cast<size_t>(src_w + 2 * kPad) * 3, border);
     const size_t n = static_cast<size_t>(out_w) * 3;
     std::vector<float> upper(n), lower(n);
@@ -118,11 +143,11 @@ FASTFEED_AVX2_FMA void warp(const uint8_t* src, int src_h, int src_w, int64_t st
             lower_row = INT64_MIN;
         }
         if (row != upper_row) {
-            horizontal(src, stride, src_h, row, plan, border, padded, upper.data(), out_w);
+            horizontal(tiles, covered, src_h, row, plan, border, padded, upper.data(), out_w);
             upper_row = row;
         }
         if (row + 1 != lower_row) {
-            horizontal(src, stride, src_h, row + 1, plan, border, padded, lower.data(), out_w);
+            horizontal(tiles, covered, src_h, row + 1, plan, border, padded, lower.data(), out_w);
             lower_row = row + 1;
         }
         uint8_t* out = dst + static_cast<size_t>(y) * n;
@@ -136,13 +161,20 @@ FASTFEED_AVX2_FMA void warp(const uint8_t* src, int src_h, int src_w, int64_t st
 }
 
 // Pointers arrive as integers; fastfeed/ultralytics/warp.py checks shapes, dtypes and strides.
-void warp_axis_aligned(uintptr_t src, int src_h, int src_w, int64_t stride, uintptr_t dst,
-                       int out_h, int out_w, double a, double b, double d, double e,
-                       double border) {
+// A tile is (origin address, row stride, y1, y2, x1, x2), as Tile.
+using TileArgs = std::tuple<uintptr_t, int64_t, int, int, int, int>;
+
+void warp_axis_aligned(const std::vector<TileArgs>& tile_args, int src_h, int src_w,
+                       uintptr_t dst, int out_h, int out_w, double a, double b, double d,
+                       double e, double border) {
+    std::vector<Tile> tiles;
+    for (const auto& [origin, stride, y1, y2, x1, x2] : tile_args) {
+        tiles.push_back({reinterpret_cast<const uint8_t*>(origin), stride, y1, y2, x1, x2});
+    }
     const Inverse inv = invert(a, b, d, e);
     py::gil_scoped_release release;
-    warp(reinterpret_cast<const uint8_t*>(src), src_h, src_w, stride,
-         reinterpret_cast<uint8_t*>(dst), out_h, out_w, inv, static_cast<float>(border));
+    warp(tiles, src_h, src_w, reinterpret_cast<uint8_t*>(dst), out_h, out_w, inv,
+         static_cast<float>(border));
 }
 
 }  // namespace
@@ -150,11 +182,12 @@ void warp_axis_aligned(uintptr_t src, int src_h, int src_w, int64_t stride, uint
 PYBIND11_MODULE(_warp, m) {
     m.doc() = "OpenCV's bilinear warpAffine for scale-and-translate matrices, separably.";
     m.def("available", &has_avx2_fma, "Whether this CPU runs the kernel at full speed (FMA).");
-    m.def("warp_axis_aligned", &warp_axis_aligned, py::arg("src"), py::arg("src_h"),
-          py::arg("src_w"), py::arg("stride"), py::arg("dst"), py::arg("out_h"),
-          py::arg("out_w"), py::arg("a"), py::arg("b"), py::arg("d"), py::arg("e"),
-          py::arg("border"),
-          "Warp an HxWx3 uint8 image (rows `stride` bytes apart) by [[a, 0, b], [0, d, e]] "
-          "into a contiguous out_h x out_w x 3 buffer, as cv2.warpAffine with INTER_LINEAR "
-          "and a constant border.");
+    m.def("warp_axis_aligned", &warp_axis_aligned, py::arg("tiles"), py::arg("src_h"),
+          py::arg("src_w"), py::arg("dst"), py::arg("out_h"), py::arg("out_w"), py::arg("a"),
+          py::arg("b"), py::arg("d"), py::arg("e"), py::arg("border"),
+          "Warp an src_h x src_w x 3 uint8 canvas by [[a, 0, b], [0, d, e]] into a contiguous "
+          "out_h x out_w x 3 buffer, as cv2.warpAffine with INTER_LINEAR and a constant "
+          "border. The canvas is the border value under tiles of HxWx3 images, each "
+          "(address of its pixel (0, 0), row stride, y1, y2, x1, x2): canvas rows [y1, y2) "
+          "and columns [x1, x2); later tiles cover earlier ones.");
 }

@@ -497,6 +497,36 @@ def test_axis_aligned_warp_is_opencvs_to_the_bit():
             image.shape, matrix, size)
 
 
+@pytest.mark.skipif(cv2.__version__ < "5", reason="OpenCV 4 warps in fixed point")
+def test_mosaic_warped_from_its_four_images_is_the_canvas_warped():
+    """The kernel reads a pending mosaic from its four images (grey between them, rows and
+    columns cut by the canvas, a strided image): cv2.warpAffine of the laid-out canvas."""
+    from fastfeed.ultralytics.mosaic import PendingCanvas, Placement
+    from fastfeed.ultralytics.warp import _run_tiles, _tile
+
+    rng = np.random.default_rng(1)
+    for case, (image, matrix, size) in enumerate(axis_aligned_cases(rng, 12)):
+        side = 64 + 16 * case
+        centre_y, centre_x = (int(v) for v in rng.integers(side // 4, 3 * side // 4, 2))
+        placements = []
+        for quadrant in range(4):
+            h, w = (int(v) for v in rng.integers(8, side, 2))
+            tile = rng.integers(0, 256, (h, 2 * w, 3), dtype=np.uint8)[:, ::2]  # strided rows
+            tile = np.ascontiguousarray(tile) if quadrant % 2 else tile[:, :w].copy()
+            y1 = max(centre_y - h, 0) if quadrant < 2 else centre_y
+            x1 = max(centre_x - w, 0) if quadrant % 2 == 0 else centre_x
+            y2, x2 = min(y1 + h, side), min(x1 + w, side)
+            placements.append(Placement(tile, y1, y2, x1, x2, h - (y2 - y1), 0))
+        pending = PendingCanvas(np.broadcast_to(np.uint8(114), (side, side, 3)),
+                                tuple(placements))
+        scale = side / image.shape[0]
+        warp = matrix.copy()
+        warp[:2] *= [[scale, 1, scale], [1, scale, scale]]
+        expected = cv2.warpAffine(pending.render(), warp[:2], dsize=size, borderValue=(114,) * 4)
+        tiles = [_tile(p.pixels(), p.y1, p.x1) for p in placements]
+        assert np.array_equal(_run_tiles(tiles, (side, side), warp, size, 114), expected), case
+
+
 def test_other_warps_are_left_to_opencv(monkeypatch):
     from ultralytics.data.augment import RandomPerspective
 

@@ -1,14 +1,14 @@
-"""Ultralytics' 2×2 mosaic, laid out only where the random perspective warp reads it.
+"""Ultralytics' 2×2 mosaic, never laid out where the random perspective warp reads it.
 
 ``Mosaic.apply_image`` fills a ``2·imgsz`` square canvas with grey (4.9 MB at imgsz 640) and
 copies four images into it; ``RandomPerspective`` then warps it to ``imgsz``, and with
 Ultralytics' default scale jitter the warp reads about 40 % of the canvas. Here, in the loader's
 workers, the mosaic records its four placements and leaves a grey stand-in of the canvas's
-shape (a zero-stride view: nothing allocated); the warp, which knows its matrix, lays out only
-the part of the canvas it reads (:func:`~fastfeed.ultralytics.pixel_ops.source_region`, which
-includes every bilinear neighbour and a margin) and warps that. The pixels the warp reads are
-the stock canvas's, so its output is the stock one byte for byte; every random number is drawn
-by Ultralytics' own code.
+shape (a zero-stride view: nothing allocated); the separable warp
+(:mod:`fastfeed.ultralytics.warp`) then reads the rows it needs straight from the four images,
+grey between them, and only OpenCV's warp gets the canvas laid out (:meth:`PendingCanvas.render`).
+The pixels the warp reads are the stock canvas's, so its output is the stock one byte for byte;
+every random number is drawn by Ultralytics' own code.
 
 Only pipelines in which nothing reads the canvas between the mosaic and the warp qualify
 (Ultralytics' defaults: ``copy_paste=0``); :func:`defer_canvases` marks their mosaics.
@@ -23,7 +23,6 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from fastfeed.ultralytics.collate import flatten
-from fastfeed.ultralytics.pixel_ops import source_region
 
 __all__ = ["PendingCanvas", "defer_canvases", "lazy_mosaic", "pending_canvas"]
 
@@ -45,6 +44,11 @@ class Placement(NamedTuple):
     top: int
     left: int
 
+    def pixels(self) -> np.ndarray:
+        """The part of ``image`` that the canvas shows."""
+        return self.image[self.top:self.top + self.y2 - self.y1,
+                          self.left:self.left + self.x2 - self.x1]
+
 
 class PendingCanvas(NamedTuple):
     """A mosaic canvas not laid out yet: its stand-in and its placements."""
@@ -52,35 +56,17 @@ class PendingCanvas(NamedTuple):
     stand_in: np.ndarray
     placements: tuple[Placement, ...]
 
-    def render(self, matrix: np.ndarray | None = None, size: tuple[int, int] = (0, 0)
-               ) -> np.ndarray:
-        """The canvas: whole, or, given a warp's 3×3 ``matrix`` and output ``size``, only the
-        part that warp reads (the rest is left unset), in a scratch array that the next call
-        overwrites."""
-        shape = self.stand_in.shape
-        top, left, bottom, right = 0, 0, shape[0], shape[1]
-        if matrix is None:
-            canvas = np.empty(shape, np.uint8)
-        else:  # read once by the warp, then dropped: the process's scratch canvas will do
-            left, top, right, bottom = source_region(matrix, size, shape[0], shape[1])
-            canvas = _scratch(shape)
-        canvas[top:bottom, left:right] = BORDER
+    def render(self) -> np.ndarray:
+        """The canvas, laid out."""
+        canvas = np.full(self.stand_in.shape, BORDER, np.uint8)
         for p in self.placements:
-            y1, y2, x1, x2 = max(p.y1, top), min(p.y2, bottom), max(p.x1, left), min(p.x2, right)
-            if y1 < y2 and x1 < x2:
-                canvas[y1:y2, x1:x2] = p.image[p.top + y1 - p.y1:p.top + y2 - p.y1,
-                                               p.left + x1 - p.x1:p.left + x2 - p.x1]
+            canvas[p.y1:p.y2, p.x1:p.x2] = p.pixels()
         return canvas
 
 
 @functools.cache
 def _stand_in(shape: tuple[int, int, int]) -> np.ndarray:
     return np.broadcast_to(np.uint8(BORDER), shape)  # read-only, no memory
-
-
-@functools.cache
-def _scratch(shape: tuple[int, int, int]) -> np.ndarray:
-    return np.empty(shape, np.uint8)
 
 
 def pending_canvas(labels: dict) -> PendingCanvas | None:

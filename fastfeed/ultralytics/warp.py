@@ -64,21 +64,38 @@ def warp_axis_aligned(image: np.ndarray, matrix: np.ndarray, size: tuple[int, in
 def _run(image: np.ndarray, matrix: np.ndarray, size: tuple[int, int], border: int
          ) -> np.ndarray:
     """The kernel, on inputs :func:`_unsupported` accepted."""
+    height, width = image.shape[:2]
+    return _run_tiles([_tile(image, 0, 0)], (height, width), matrix, size, border)
+
+
+def _tile(image: np.ndarray, y: int, x: int) -> tuple[int, int, int, int, int, int]:
+    """``image`` (``H×W×3`` uint8, pixels contiguous) placed at ``(y, x)`` of a canvas, as the
+    kernel takes it."""
+    height, width = image.shape[:2]
+    return (image.__array_interface__["data"][0], image.strides[0], y, y + height, x, x + width)
+
+
+def _run_tiles(tiles: list[tuple[int, int, int, int, int, int]], canvas: tuple[int, int],
+               matrix: np.ndarray, size: tuple[int, int], border: int) -> np.ndarray:
+    """The kernel on a canvas of ``canvas`` ``(height, width)``: ``border`` under ``tiles``."""
     width, height = size
     out = np.empty((height, width, 3), np.uint8)
     m = np.asarray(matrix, np.float64)
-    _warp.warp_axis_aligned(image.ctypes.data, image.shape[0], image.shape[1], image.strides[0],
-                            out.ctypes.data, height, width, m[0, 0], m[0, 2], m[1, 1], m[1, 2],
-                            float(border))
+    _warp.warp_axis_aligned(tiles, canvas[0], canvas[1], out.ctypes.data, height, width,
+                            m[0, 0], m[0, 2], m[1, 1], m[1, 2], float(border))
     return out
 
 
 def _unsupported(image: np.ndarray, matrix: np.ndarray, size: tuple[int, int]) -> str | None:
+    return _unsupported_image(image) or _unsupported_map(matrix, size)
+
+
+def _unsupported_image(image: np.ndarray) -> str | None:
     if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3:
         return f"needs an H×W×3 uint8 image, got {image.dtype} {image.shape}"
     if image.strides[1:] != (3, 1):
         return "needs each row's pixels contiguous"
-    return _unsupported_map(matrix, size)
+    return None
 
 
 def _unsupported_map(matrix: np.ndarray, size: tuple[int, int]) -> str | None:
@@ -116,22 +133,29 @@ def matches_opencv() -> bool:
 
 def exact_warp(apply_image: ApplyImage) -> ApplyImage:
     """``RandomPerspective.apply_image``, taking the separable kernel where it gives OpenCV's
-    bytes and ``apply_image`` everywhere else; a mosaic canvas left pending by
-    :func:`~fastfeed.ultralytics.mosaic.lazy_mosaic` is laid out first (only where the kernel
-    reads it)."""
+    bytes and ``apply_image`` everywhere else; the kernel reads a mosaic canvas left pending by
+    :func:`~fastfeed.ultralytics.mosaic.lazy_mosaic` straight from its four images, and
+    ``apply_image`` gets it laid out."""
 
     @functools.wraps(apply_image)
     def warp(self: Any, labels: dict, params: dict) -> dict:
         matrix, size = params["M"], params["size"]
-        pending = pending_canvas(labels)  # rendered below as a contiguous H×W×3 uint8 canvas
+        pending = pending_canvas(labels)
+        if pending is not None and any(_unsupported_image(p.image) for p in pending.placements):
+            labels["img"], pending = pending.render(), None
         fast = (not self.perspective and matches_opencv()
                 and not (_unsupported_map(matrix, size) if pending
                          else _unsupported(labels["img"], matrix, size)))
-        if pending is not None:  # lay out the mosaic: all of it, or what the kernel reads
-            labels["img"] = pending.render(matrix, size) if fast else pending.render()
         if not fast:
+            if pending is not None:
+                labels["img"] = pending.render()
             return apply_image(self, labels, params)
-        labels["img"] = _run(labels["img"], matrix, size, BORDER)
+        if pending is not None:
+            tiles = [_tile(p.pixels(), p.y1, p.x1) for p in pending.placements]
+            canvas = pending.stand_in.shape[:2]
+            labels["img"] = _run_tiles(tiles, canvas, matrix, size, BORDER)
+        else:
+            labels["img"] = _run(labels["img"], matrix, size, BORDER)
         labels["resized_shape"] = labels["img"].shape[:2]
         return labels
 
