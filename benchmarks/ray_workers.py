@@ -9,7 +9,9 @@ the price of Ray itself next to process workers on the same cores. Each case run
   Normalize) under ``fastfeed.vision.accelerate`` with ``device="cpu"``: workers make uint8
   crops, and the batch tail (ToTensor's scaling, Normalize) runs on whole batches in the main
   process, as it would on the GPU with ``device="cuda"``. uint8 crosses the object store.
-- ``f32``: the same without ``device``: workers finish float batches (4× the bytes).
+- ``f32``: the same without ``device``: float batches. Process workers finish them into the
+  ring slot; Ray's actors ship uint8 batches, and the main process computes the float batch
+  into the slot as it lands each one (the tail at landing), so uint8 crosses here too.
 - ``overhead``: ``benchmarks/overhead.py``'s case, the loader's own cost: 16 pre-made uint8
   3×224×224 samples cycled, no decoding, batch 128, the consumer touching every page.
 
@@ -46,7 +48,7 @@ CASES = ("u8", "f32", "overhead")
 BACKENDS = ("process", "ray")
 CONFIGS = tuple(f"{case}-{backend}" for case in CASES for backend in BACKENDS)
 IMAGE_BYTES = 3 * 224 * 224  # one uint8 image on the wire
-WIRE_BYTES = {"u8": IMAGE_BYTES, "f32": 4 * IMAGE_BYTES, "overhead": IMAGE_BYTES}
+WIRE_BYTES = {"u8": IMAGE_BYTES, "f32": IMAGE_BYTES, "overhead": IMAGE_BYTES}  # all uint8
 OVERHEAD_BATCH, OVERHEAD_IMAGES = 128, 2048  # an epoch of 16 batches
 
 
