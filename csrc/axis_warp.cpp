@@ -28,6 +28,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <tuple>
 #include <vector>
 
@@ -88,46 +89,72 @@ FASTFEED_AVX2_FMA Plan plan_columns(const Inverse& inv, int src_w, int out_w) {
     return plan;
 }
 
+// Bytes past a padded row's last pixel: the vector path reads 8 bytes at each left neighbour,
+// 2 more than the two pixels it needs.
+constexpr size_t kSlack = 8;
+
+// Output columns x.. of a row, one pixel at a time in a vector: the 8 bytes at the left
+// neighbour hold both neighbours' B, G, R (lanes 0-2 and 3-5), and lanes 0-2 of
+// fma(a, right - left, left) are the three outputs (lane 3 spills into the next pixel's place,
+// which it then overwrites; `out` has one float of slack at its end).
+FASTFEED_AVX2_FMA int interpolate_avx2(const uint8_t* line, const Plan& plan, float* out,
+                                         int out_w) {
+    const __m256i right = _mm256_setr_epi32(3, 4, 5, 6, 7, 7, 7, 7);
+    for (int x = 0; x < out_w; ++x) {
+        const __m128i bytes = _mm_loadl_epi64(
+            reinterpret_cast<const __m128i*>(line + static_cast<size_t>(plan.column[x]) * 3));
+        const __m256 left = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
+        const __m256 diff = _mm256_sub_ps(_mm256_permutevar8x32_ps(left, right), left);
+        const __m256 v = _mm256_fmadd_ps(_mm256_set1_ps(plan.alpha[x]), diff, left);
+        _mm_storeu_ps(out + 3 * x, _mm256_castps256_ps128(v));
+    }
+    return out_w;
+}
+
 // One canvas row (or the border, outside the canvas), interpolated at every output column.
+// `padded` holds a canvas row as bytes, between border pixels, with kSlack bytes after it.
 FASTFEED_AVX2_FMA void horizontal(const std::vector<Tile>& tiles, bool covered, int src_h,
-                                    int64_t row, const Plan& plan, float border,
-                                    std::vector<float>& padded, float* __restrict out,
+                                    int64_t row, const Plan& plan, uint8_t border,
+                                    std::vector<uint8_t>& padded, float* __restrict out,
                                     int out_w) {
     if (row < 0 || row >= src_h) {
-        std::fill(out, out + static_cast<size_t>(out_w) * 3, border);
+        std::fill(out, out + static_cast<size_t>(out_w) * 3, static_cast<float>(border));
         return;
     }
-    float* base = padded.data();
+    uint8_t* base = padded.data();
     if (!covered) {  // the grey between tiles
         std::fill(base + (kPad + plan.first) * 3, base + (kPad + plan.last + 1) * 3, border);
     }
     for (const Tile& tile : tiles) {
         const int lo = std::max(plan.first, tile.x1), hi = std::min(plan.last + 1, tile.x2);
         if (row < tile.y1 || row >= tile.y2 || lo >= hi) continue;
-        const uint8_t* line = tile.origin + (row - tile.y1) * tile.stride + (lo - tile.x1) * 3;
-        float* dst = base + (kPad + lo) * 3;
-        for (int i = 0; i < (hi - lo) * 3; ++i) dst[i] = line[i];
+        std::memcpy(base + (kPad + lo) * 3,
+                    tile.origin + (row - tile.y1) * tile.stride + (lo - tile.x1) * 3,
+                    static_cast<size_t>(hi - lo) * 3);
     }
-    const int* column = plan.column.data();
-    const float* alpha = plan.alpha.data();
-    for (int x = 0; x < out_w; ++x) {
-        const float* p = base + static_cast<size_t>(column[x]) * 3;
-        const float a = alpha[x];
-        out[3 * x] = std::fma(a, p[3] - p[0], p[0]);
-        out[3 * x + 1] = std::fma(a, p[4] - p[1], p[1]);
-        out[3 * x + 2] = std::fma(a, p[5] - p[2], p[2]);
+    int x = 0;
+#if defined(__x86_64__) || defined(__i386__)
+    x = interpolate_avx2(base, plan, out, out_w);  // the kernel runs only where available()
+#endif
+    for (; x < out_w; ++x) {
+        const uint8_t* p = base + static_cast<size_t>(plan.column[x]) * 3;
+        const float a = plan.alpha[x];
+        for (int c = 0; c < 3; ++c) {
+            const float left = p[c], right = p[3 + c];
+            out[3 * x + c] = std::fma(a, right - left, left);
+        }
     }
 }
 
 FASTFEED_AVX2_FMA void warp(const std::vector<Tile>& tiles, int src_h, int src_w,
                               uint8_t* dst, int out_h, int out_w, const Inverse& inv,
-                              float border) {
+                              uint8_t border) {
     const Plan plan = plan_columns(inv, src_w, out_w);
     const bool covered = tiles.size() == 1 && tiles[0].y1 <= 0 && tiles[0].x1 <= 0 &&
                          tiles[0].y2 >= src_h && tiles[0].x2 >= src_w;
-    std::vector<float> padded(static_cast<size_t>(src_w + 2 * kPad) * 3, border);
+    std::vector<uint8_t> padded(static_cast<size_t>(src_w + 2 * kPad) * 3 + kSlack, border);
     const size_t n = static_cast<size_t>(out_w) * 3;
-    std::vector<float> upper(n), lower(n);
+    std::vector<float> upper(n + 1), lower(n + 1);  // + 1: interpolate_avx2's spill
     int64_t upper_row = INT64_MIN, lower_row = INT64_MIN;
     const float m4 = static_cast<float>(inv.m4), m5 = static_cast<float>(inv.m5);
     for (int y = 0; y < out_h; ++y) {
@@ -166,7 +193,7 @@ using TileArgs = std::tuple<uintptr_t, int64_t, int, int, int, int>;
 
 void warp_axis_aligned(const std::vector<TileArgs>& tile_args, int src_h, int src_w,
                        uintptr_t dst, int out_h, int out_w, double a, double b, double d,
-                       double e, double border) {
+                       double e, int border) {
     std::vector<Tile> tiles;
     for (const auto& [origin, stride, y1, y2, x1, x2] : tile_args) {
         tiles.push_back({reinterpret_cast<const uint8_t*>(origin), stride, y1, y2, x1, x2});
@@ -174,7 +201,7 @@ void warp_axis_aligned(const std::vector<TileArgs>& tile_args, int src_h, int sr
     const Inverse inv = invert(a, b, d, e);
     py::gil_scoped_release release;
     warp(tiles, src_h, src_w, reinterpret_cast<uint8_t*>(dst), out_h, out_w, inv,
-         static_cast<float>(border));
+         static_cast<uint8_t>(border));
 }
 
 }  // namespace

@@ -47,7 +47,7 @@ def warp_axis_aligned(image: np.ndarray, matrix: np.ndarray, size: tuple[int, in
         image (np.ndarray): ``H×W×3`` ``uint8``, channels contiguous (rows may be strided).
         matrix (np.ndarray): 2×3 or 3×3, with ``matrix[0, 1] == matrix[1, 0] == 0``.
         size (tuple[int, int]): the output ``(width, height)``.
-        border (int): the value of every channel outside the image.
+        border (int): the value of every channel outside the image, 0 to 255.
 
     Raises:
         ValueError: the image, matrix or size is not one this kernel takes.
@@ -56,9 +56,11 @@ def warp_axis_aligned(image: np.ndarray, matrix: np.ndarray, size: tuple[int, in
     if _warp is None:
         raise RuntimeError("fastfeed._warp was not built (no C++ compiler at install time)")
     reason = _unsupported(image, matrix, size)
+    if not 0 <= border <= 255 or int(border) != border:
+        reason = f"the border must be a uint8 value, got {border}"
     if reason:
         raise ValueError(f"warp_axis_aligned: {reason}")
-    return _run(image, matrix, size, border)
+    return _run(image, matrix, size, int(border))
 
 
 def _run(image: np.ndarray, matrix: np.ndarray, size: tuple[int, int], border: int
@@ -82,7 +84,7 @@ def _run_tiles(tiles: list[tuple[int, int, int, int, int, int]], canvas: tuple[i
     out = np.empty((height, width, 3), np.uint8)
     m = np.asarray(matrix, np.float64)
     _warp.warp_axis_aligned(tiles, canvas[0], canvas[1], out.ctypes.data, height, width,
-                            m[0, 0], m[0, 2], m[1, 1], m[1, 2], float(border))
+                            m[0, 0], m[0, 2], m[1, 1], m[1, 2], border)
     return out
 
 
