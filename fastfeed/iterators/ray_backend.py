@@ -306,9 +306,9 @@ class RayBackend:
         worker.restart()
 
     def _into_slot(self, shipped: Shipped, slot_id: int | None) -> Encoded | Any:
-        """The batch, copied once from the object store (finished by the landing tail, if
-        any): into the task's ring slot, or into a slot of this process's own for a task sent
-        without one (the ring adopts it); without a ring, into memory of its own."""
+        """The batch, copied once from the object store, or finished from there by the
+        landing tail: into the task's ring slot, or into a slot of this process's own for a
+        task sent without one (the ring adopts it); without a ring, into memory of its own."""
         batch = unship(shipped)
         land = self._landing_tail
         if self._ring is None:  # the shipped batch copied out, then finished
