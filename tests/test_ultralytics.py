@@ -175,8 +175,32 @@ def test_images_gathered_into_the_slot_equal_stock(yolo_root, mode, channels):
             # training leaves RandomHSV's jitter of colour images to the gather
             deferred = [s["img"].hsv_table is not None for s in samples]
             assert all(deferred) if (mode, channels) == ("train", 3) else not any(deferred)
+            assert "apply_instances" in vars(data.transforms.transforms[-1])  # the lean Format
         batches.append([collate(samples[:4]), collate(samples[4:]), random.random()])
     assert_same(batches[1], batches[0])
+
+
+def test_lean_format_stays_out_where_format_differs(monkeypatch):
+    """The lean Format is probed against the stock one: a Format that normalises or draws
+    differently (another Ultralytics version, say) keeps its own methods."""
+    from ultralytics.data.augment import Format
+
+    from fastfeed.ultralytics.format import lean_format
+
+    transform = Format()
+    assert lean_format(transform) is not None and "apply_instances" in vars(transform)
+
+    stock_instances = Format.apply_instances
+    monkeypatch.setattr(Format, "apply_instances", lambda self, labels, params: {
+        **stock_instances(self, labels, params), "extra": torch.zeros(1)})
+    transform = Format()
+    assert lean_format(transform) is not None and "apply_instances" not in vars(transform)
+
+    stock_img = Format._format_img
+    monkeypatch.setattr(Format, "_format_img", lambda self, img: (random.random(),
+                                                                  stock_img(self, img))[1])
+    assert lean_format(Format()) is None  # draws twice: the marker reads its decision
+    assert lean_format(Format(return_mask=True)) is None
 
 
 def test_workers_persist_across_epochs_and_restart_on_reset(yolo_root):

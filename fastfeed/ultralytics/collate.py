@@ -20,9 +20,10 @@ import torch
 from torch.utils.data import get_worker_info
 
 from fastfeed.collate import Empty, gather_images, torch_empty
+from fastfeed.ultralytics.format import draws_reverse, lean_format
 from fastfeed.ultralytics.hsv import defer_jitter, gather_jittered
 
-__all__ = ["FormattedImage", "InWorkers", "SlotCollate", "draws_reverse", "flatten",
+__all__ = ["FormattedImage", "InWorkers", "SlotCollate", "flatten",
            "format_into_slot", "gathers_images"]
 
 class FormattedImage(NamedTuple):
@@ -58,27 +59,19 @@ def gathers_images(dataset: Any, collate_fn: Any) -> bool:
             and type(transforms[-1]) is Format)
 
 
-def draws_reverse(format_img: Callable[[np.ndarray], torch.Tensor], channels: int) -> bool:
-    """Whether Ultralytics' ``Format._format_img`` reverses the channels this time: the stock
-    call on a 1×1 marker makes the same random draw (for any channel count) and shows its
-    decision."""
-    marker = np.arange(channels, dtype=np.uint8).reshape(1, 1, -1)
-    first = int(format_img(marker)[0, 0, 0])
-    return channels > 1 and first == channels - 1
-
-
 def format_into_slot(dataset: Any) -> None:
     """Make ``dataset``'s ``Format`` (in this process) hand its images to :class:`SlotCollate`,
     with ``RandomHSV``'s jitter left to the gather where it can be."""
     transforms = list(flatten(dataset.transforms))
     transform = transforms[-1]
     format_img = transform._format_img
+    draw = lean_format(transform) or (lambda channels: draws_reverse(format_img, channels))
     deferred = defer_jitter(transforms)
 
     def formatted(img: np.ndarray) -> FormattedImage:
         hwc = img if img.ndim == 3 else img[..., None]
         table = None if deferred is None else deferred.take(hwc)
-        return FormattedImage(hwc, draws_reverse(format_img, hwc.shape[2]), table)
+        return FormattedImage(hwc, draw(hwc.shape[2]), table)
 
     transform._format_img = formatted
 
