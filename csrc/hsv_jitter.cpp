@@ -3,8 +3,8 @@
 //
 // Ultralytics runs cv2.cvtColor(COLOR_BGR2HSV), cv2.LUT and cv2.cvtColor(COLOR_HSV2BGR): three
 // passes over the image and two temporaries. Here each pixel goes through all three steps in
-// registers: eight pixels at a time with AVX2, sixteen with AVX-512 (the same operations, lane
-// for lane), and the scalar reference for a row's last few.
+// registers: eight pixels at a time with AVX2, sixteen with AVX-512 (one template over either
+// ISA's operations), and the scalar reference for a row's last few.
 //
 // The arithmetic is OpenCV 5's (modules/imgproc/src/color_hsv.simd.hpp):
 // - BGR->HSV in integers: v = max, diff = v - min, s = (diff * sdiv[v] + 2^11) >> 12,
@@ -101,27 +101,128 @@ inline void jitter_pixel(uint8_t* px, const Luts& lut, const Tables& t) {
 }
 
 #if defined(__x86_64__) || defined(__i386__)
-// Eight pixels' channels, one int32 lane each.
-struct Bgr8 {
-    __m256i b, g, r;
+// The vector operations of the jitter at one width: Avx2 (eight int32 or float32 lanes) or
+// Avx512 (sixteen). A comparison gives that ISA's lane mask, and select(mask, a, b) takes b
+// where the mask is set. jitter_lanes below is written once over these; the row drivers that
+// call it are flattened, so every operation is inlined into code built for its ISA.
+struct Avx2 {
+    using I = __m256i;
+    using F = __m256;
+    using M = __m256;  // all ones in a lane where true
+    static constexpr int kLanes = 8;
+    FASTFEED_AVX2_FMA static I set(int v) { return _mm256_set1_epi32(v); }
+    FASTFEED_AVX2_FMA static F set(float v) { return _mm256_set1_ps(v); }
+    FASTFEED_AVX2_FMA static I max(I a, I b) { return _mm256_max_epi32(a, b); }
+    FASTFEED_AVX2_FMA static I min(I a, I b) { return _mm256_min_epi32(a, b); }
+    FASTFEED_AVX2_FMA static I add(I a, I b) { return _mm256_add_epi32(a, b); }
+    FASTFEED_AVX2_FMA static I sub(I a, I b) { return _mm256_sub_epi32(a, b); }
+    FASTFEED_AVX2_FMA static I mul(I a, I b) { return _mm256_mullo_epi32(a, b); }
+    FASTFEED_AVX2_FMA static I shift_right(I a) { return _mm256_srai_epi32(a, kShift); }
+    FASTFEED_AVX2_FMA static I gather(const int32_t* table, I index) {
+        return _mm256_i32gather_epi32(table, index, 4);
+    }
+    FASTFEED_AVX2_FMA static M equal(I a, I b) { return _mm256_castsi256_ps(_mm256_cmpeq_epi32(a, b)); }
+    FASTFEED_AVX2_FMA static M less(I a, I b) { return _mm256_castsi256_ps(_mm256_cmpgt_epi32(b, a)); }
+    FASTFEED_AVX2_FMA static M at_least(F a, F b) { return _mm256_cmp_ps(a, b, _CMP_GE_OQ); }
+    FASTFEED_AVX2_FMA static M either(M a, M b) { return _mm256_or_ps(a, b); }
+    FASTFEED_AVX2_FMA static I select(M m, I a, I b) {
+        return _mm256_blendv_epi8(a, b, _mm256_castps_si256(m));
+    }
+    FASTFEED_AVX2_FMA static F select(M m, F a, F b) { return _mm256_blendv_ps(a, b, m); }
+    FASTFEED_AVX2_FMA static F to_float(I a) { return _mm256_cvtepi32_ps(a); }
+    FASTFEED_AVX2_FMA static I truncate(F a) { return _mm256_cvttps_epi32(a); }
+    FASTFEED_AVX2_FMA static F add(F a, F b) { return _mm256_add_ps(a, b); }
+    FASTFEED_AVX2_FMA static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
+    FASTFEED_AVX2_FMA static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+    FASTFEED_AVX2_FMA static F floor(F a) { return _mm256_floor_ps(a); }
+    FASTFEED_AVX2_FMA static F negated_fma(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }
 };
 
-// Helpers of the vector path. Lambdas would not inherit its target attribute.
-FASTFEED_AVX2_FMA inline __m256 is(__m256i sector, int k) {
-    return _mm256_castsi256_ps(_mm256_cmpeq_epi32(sector, _mm256_set1_epi32(k)));
-}
+struct Avx512 {
+    using I = __m512i;
+    using F = __m512;
+    using M = __mmask16;
+    static constexpr int kLanes = 16;
+    FASTFEED_AVX512 static I set(int v) { return _mm512_set1_epi32(v); }
+    FASTFEED_AVX512 static F set(float v) { return _mm512_set1_ps(v); }
+    FASTFEED_AVX512 static I max(I a, I b) { return _mm512_max_epi32(a, b); }
+    FASTFEED_AVX512 static I min(I a, I b) { return _mm512_min_epi32(a, b); }
+    FASTFEED_AVX512 static I add(I a, I b) { return _mm512_add_epi32(a, b); }
+    FASTFEED_AVX512 static I sub(I a, I b) { return _mm512_sub_epi32(a, b); }
+    FASTFEED_AVX512 static I mul(I a, I b) { return _mm512_mullo_epi32(a, b); }
+    FASTFEED_AVX512 static I shift_right(I a) { return _mm512_srai_epi32(a, kShift); }
+    FASTFEED_AVX512 static I gather(const int32_t* table, I index) {
+        return _mm512_i32gather_epi32(index, table, 4);
+    }
+    FASTFEED_AVX512 static M equal(I a, I b) { return _mm512_cmpeq_epi32_mask(a, b); }
+    FASTFEED_AVX512 static M less(I a, I b) { return _mm512_cmplt_epi32_mask(a, b); }
+    FASTFEED_AVX512 static M at_least(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_GE_OQ); }
+    FASTFEED_AVX512 static M either(M a, M b) { return a | b; }
+    FASTFEED_AVX512 static I select(M m, I a, I b) { return _mm512_mask_blend_epi32(m, a, b); }
+    FASTFEED_AVX512 static F select(M m, F a, F b) { return _mm512_mask_blend_ps(m, a, b); }
+    FASTFEED_AVX512 static F to_float(I a) { return _mm512_cvtepi32_ps(a); }
+    FASTFEED_AVX512 static I truncate(F a) { return _mm512_cvttps_epi32(a); }
+    FASTFEED_AVX512 static F add(F a, F b) { return _mm512_add_ps(a, b); }
+    FASTFEED_AVX512 static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
+    FASTFEED_AVX512 static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+    FASTFEED_AVX512 static F floor(F a) {
+        return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    }
+    FASTFEED_AVX512 static F negated_fma(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }
+};
 
-FASTFEED_AVX2_FMA inline __m256 pick(__m256 a, __m256 b, __m256 take_b) {
-    return _mm256_blendv_ps(a, b, take_b);
-}
+// kLanes pixels' channels, one int32 lane each.
+template <class V>
+struct Bgr {
+    typename V::I b, g, r;
+};
 
-FASTFEED_AVX2_FMA inline __m256i to_int(__m256 x, __m256 scale) {
-    return _mm256_cvttps_epi32(_mm256_mul_ps(x, scale));
+// kLanes pixels through the jitter: the same operations as jitter_values, lane by lane.
+template <class V>
+inline Bgr<V> jitter_lanes(Bgr<V> px, const Luts& lut, const Tables& t) {
+    using I = typename V::I;
+    using F = typename V::F;
+    using M = typename V::M;
+    const I b = px.b, g = px.g, r = px.r;
+    const I value = V::max(V::max(b, g), r);
+    const I diff = V::sub(value, V::min(V::min(b, g), r));
+    const I half = V::set(kHalf);
+    const I sat = V::shift_right(V::add(V::mul(diff, V::gather(t.sdiv, value)), half));
+    const I diff2 = V::add(diff, diff);
+    const I from_r = V::sub(g, b);
+    const I from_g = V::add(V::sub(b, r), diff2);
+    const I from_b = V::add(V::sub(r, g), V::add(diff2, diff2));
+    const I hue6 = V::select(V::equal(value, r),
+                             V::select(V::equal(value, g), from_b, from_g), from_r);
+    I hue = V::shift_right(V::add(V::mul(hue6, V::gather(t.hdiv, diff)), half));
+    hue = V::select(V::less(hue, V::set(0)), hue, V::add(hue, V::set(180)));
+
+    const F one = V::set(1.f), six = V::set(6.f), to_unit = V::set(kToUnit);
+    F h = V::mul(V::to_float(V::gather(lut.h, hue)), V::set(kToSector));
+    const F s = V::mul(V::to_float(V::gather(lut.s, sat)), to_unit);
+    const F v = V::mul(V::to_float(V::gather(lut.v, value)), to_unit);
+    h = V::select(V::at_least(h, six), h, V::sub(h, six));
+    const F floor_h = V::floor(h);
+    const F f = V::sub(h, floor_h);
+    const I sector = V::min(V::max(V::truncate(floor_h), V::set(0)), V::set(5));
+    const F p = V::mul(v, V::sub(one, s));
+    const F q = V::mul(v, V::negated_fma(s, f, one));
+    const F u = V::mul(v, V::negated_fma(s, V::sub(one, f), one));
+    const M s0 = V::equal(sector, V::set(0)), s1 = V::equal(sector, V::set(1));
+    const M s2 = V::equal(sector, V::set(2)), s3 = V::equal(sector, V::set(3));
+    const M s4 = V::equal(sector, V::set(4));
+    // (b, g, r) by sector: (p,u,v) (p,v,q) (u,v,p) (v,q,p) (v,p,u) (q,p,v)
+    const F bf = V::select(V::either(s0, s1), V::select(s2, V::select(V::either(s3, s4), q, v), u), p);
+    const F gf = V::select(s0, V::select(V::either(s1, s2), V::select(s3, p, q), v), u);
+    const F rf = V::select(s0, V::select(s1, V::select(V::either(s2, s3), V::select(s4, v, u), p), q), v);
+    const F scale = V::set(255.f);
+    return {V::truncate(V::mul(bf, scale)), V::truncate(V::mul(gf, scale)),
+            V::truncate(V::mul(rf, scale))};
 }
 
 // Eight interleaved BGR pixels (24 bytes) as lanes; `mirrored`: the pixels at p8 are the
 // last eight of the eight wanted, in reverse (a mirrored view reads them right to left).
-FASTFEED_AVX2_FMA inline Bgr8 load8(const uint8_t* p8, bool mirrored) {
+FASTFEED_AVX2_FMA inline Bgr<Avx2> load8(const uint8_t* p8, bool mirrored) {
     // Byte shuffles between 24 interleaved BGR bytes (16 + 8) and the planes [B G] and [R].
     const __m128i lo_to_bg = _mm_setr_epi8(0, 3, 6, 9, 12, 15, -1, -1, 1, 4, 7, 10, 13, -1, -1, -1);
     const __m128i hi_to_bg = _mm_setr_epi8(-1, -1, -1, -1, -1, -1, 2, 5, -1, -1, -1, -1, -1, 0, 3, 6);
@@ -131,8 +232,8 @@ FASTFEED_AVX2_FMA inline Bgr8 load8(const uint8_t* p8, bool mirrored) {
     const __m128i hi = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p8 + 16));
     const __m128i bg = _mm_or_si128(_mm_shuffle_epi8(lo, lo_to_bg), _mm_shuffle_epi8(hi, hi_to_bg));
     const __m128i r8 = _mm_or_si128(_mm_shuffle_epi8(lo, lo_to_r), _mm_shuffle_epi8(hi, hi_to_r));
-    Bgr8 px{_mm256_cvtepu8_epi32(bg), _mm256_cvtepu8_epi32(_mm_srli_si128(bg, 8)),
-            _mm256_cvtepu8_epi32(r8)};
+    Bgr<Avx2> px{_mm256_cvtepu8_epi32(bg), _mm256_cvtepu8_epi32(_mm_srli_si128(bg, 8)),
+                 _mm256_cvtepu8_epi32(r8)};
     if (mirrored) {
         const __m256i reverse = _mm256_setr_epi32(7, 6, 5, 4, 3, 2, 1, 0);
         px = {_mm256_permutevar8x32_epi32(px.b, reverse),
@@ -143,7 +244,7 @@ FASTFEED_AVX2_FMA inline Bgr8 load8(const uint8_t* p8, bool mirrored) {
 }
 
 // The inverse of load8 (not mirrored): lanes of values in [0, 255] back to 24 interleaved bytes.
-FASTFEED_AVX2_FMA inline void store8(uint8_t* p8, Bgr8 px) {
+FASTFEED_AVX2_FMA inline void store8(uint8_t* p8, Bgr<Avx2> px) {
     const __m128i bg_to_lo = _mm_setr_epi8(0, 8, -1, 1, 9, -1, 2, 10, -1, 3, 11, -1, 4, 12, -1, 5);
     const __m128i r_to_lo = _mm_setr_epi8(-1, -1, 0, -1, -1, 1, -1, -1, 2, -1, -1, 3, -1, -1, 4, -1);
     const __m128i bg_to_hi = _mm_setr_epi8(13, -1, 6, 14, -1, 7, 15, -1, -1, -1, -1, -1, -1, -1, -1, -1);
@@ -165,185 +266,97 @@ FASTFEED_AVX2_FMA inline void store8(uint8_t* p8, Bgr8 px) {
 }
 
 // Eight values in [0, 255] (int32 lanes) as eight bytes at `dst`.
-FASTFEED_AVX2_FMA inline void store_plane8(uint8_t* dst, __m256i x) {
+FASTFEED_AVX2_FMA inline void store_plane(uint8_t* dst, __m256i x) {
     const __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
     _mm_storel_epi64(reinterpret_cast<__m128i*>(dst), _mm_packus_epi16(words, words));
 }
 
-// Eight pixels through the jitter: the same operations as jitter_values, lane by lane.
-FASTFEED_AVX2_FMA inline Bgr8 jitter8(Bgr8 px, const Luts& lut, const Tables& t) {
-    const __m256i half = _mm256_set1_epi32(kHalf), full_turn = _mm256_set1_epi32(180);
-    const __m256i zero = _mm256_setzero_si256(), five = _mm256_set1_epi32(5);
-    const __m256 to_sector = _mm256_set1_ps(kToSector), to_unit = _mm256_set1_ps(kToUnit);
-    const __m256 one = _mm256_set1_ps(1.f), six = _mm256_set1_ps(6.f);
-    const __m256 scale = _mm256_set1_ps(255.f);
-    const __m256i b = px.b, g = px.g, r = px.r;
-
-    const __m256i value = _mm256_max_epi32(_mm256_max_epi32(b, g), r);
-    const __m256i diff = _mm256_sub_epi32(value, _mm256_min_epi32(_mm256_min_epi32(b, g), r));
-    const __m256i sat = _mm256_srai_epi32(_mm256_add_epi32(
-        _mm256_mullo_epi32(diff, _mm256_i32gather_epi32(t.sdiv, value, 4)), half), kShift);
-    const __m256i diff2 = _mm256_add_epi32(diff, diff);
-    const __m256i from_r = _mm256_sub_epi32(g, b);
-    const __m256i from_g = _mm256_add_epi32(_mm256_sub_epi32(b, r), diff2);
-    const __m256i from_b = _mm256_add_epi32(_mm256_sub_epi32(r, g), _mm256_add_epi32(diff2, diff2));
-    const __m256i hue6 = _mm256_blendv_epi8(
-        _mm256_blendv_epi8(from_b, from_g, _mm256_cmpeq_epi32(value, g)), from_r,
-        _mm256_cmpeq_epi32(value, r));
-    __m256i hue = _mm256_srai_epi32(_mm256_add_epi32(
-        _mm256_mullo_epi32(hue6, _mm256_i32gather_epi32(t.hdiv, diff, 4)), half), kShift);
-    hue = _mm256_add_epi32(hue, _mm256_and_si256(_mm256_cmpgt_epi32(zero, hue), full_turn));
-
-    __m256 h = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_i32gather_epi32(lut.h, hue, 4)), to_sector);
-    const __m256 s = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_i32gather_epi32(lut.s, sat, 4)), to_unit);
-    const __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_i32gather_epi32(lut.v, value, 4)), to_unit);
-    h = _mm256_blendv_ps(h, _mm256_sub_ps(h, six), _mm256_cmp_ps(h, six, _CMP_GE_OQ));
-    const __m256 floor_h = _mm256_floor_ps(h);
-    const __m256 f = _mm256_sub_ps(h, floor_h);
-    const __m256i sector = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvttps_epi32(floor_h), zero), five);
-    const __m256 p = _mm256_mul_ps(v, _mm256_sub_ps(one, s));
-    const __m256 q = _mm256_mul_ps(v, _mm256_fnmadd_ps(s, f, one));
-    const __m256 u = _mm256_mul_ps(v, _mm256_fnmadd_ps(s, _mm256_sub_ps(one, f), one));
-    const __m256 s0 = is(sector, 0), s1 = is(sector, 1), s2 = is(sector, 2);
-    const __m256 s3 = is(sector, 3), s4 = is(sector, 4);
-    // (b, g, r) by sector: (p,u,v) (p,v,q) (u,v,p) (v,q,p) (v,p,u) (q,p,v)
-    const __m256 bf = pick(pick(pick(q, v, _mm256_or_ps(s3, s4)), u, s2), p, _mm256_or_ps(s0, s1));
-    const __m256 gf = pick(pick(pick(p, q, s3), v, _mm256_or_ps(s1, s2)), u, s0);
-    const __m256 rf = pick(pick(pick(pick(v, u, s4), p, _mm256_or_ps(s2, s3)), q, s1), v, s0);
-    return {to_int(bf, scale), to_int(gf, scale), to_int(rf, scale)};
+// Sixteen values in [0, 255] (int32 lanes) as sixteen bytes at `dst`.
+FASTFEED_AVX512 inline void store_plane(uint8_t* dst, __m512i x) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(x));
 }
 
-// Sixteen pixels' channels, one int32 lane each.
-struct Bgr16 {
-    __m512i b, g, r;
-};
+// The V-wide pixels at p (interleaved, V::kLanes of them; mirrored as in load8).
+FASTFEED_AVX2_FMA inline Bgr<Avx2> load(const uint8_t* p, bool mirrored, Avx2) {
+    return load8(mirrored ? p - 21 : p, mirrored);
+}
 
-FASTFEED_AVX512 inline Bgr16 join(Bgr8 lo, Bgr8 hi) {
+FASTFEED_AVX512 inline Bgr<Avx512> load(const uint8_t* p, bool mirrored, Avx512) {
+    // Two halves of eight: mirrored, the first half (output pixels 0-7) ends at p.
+    const Bgr<Avx2> lo = load8(mirrored ? p - 21 : p, mirrored);
+    const Bgr<Avx2> hi = load8(mirrored ? p - 45 : p + 24, mirrored);
     return {_mm512_inserti64x4(_mm512_castsi256_si512(lo.b), hi.b, 1),
             _mm512_inserti64x4(_mm512_castsi256_si512(lo.g), hi.g, 1),
             _mm512_inserti64x4(_mm512_castsi256_si512(lo.r), hi.r, 1)};
 }
 
-FASTFEED_AVX512 inline Bgr8 half(Bgr16 px, bool upper) {
-    return upper ? Bgr8{_mm512_extracti64x4_epi64(px.b, 1), _mm512_extracti64x4_epi64(px.g, 1),
-                        _mm512_extracti64x4_epi64(px.r, 1)}
-                 : Bgr8{_mm512_castsi512_si256(px.b), _mm512_castsi512_si256(px.g),
-                        _mm512_castsi512_si256(px.r)};
+FASTFEED_AVX2_FMA inline void store(uint8_t* p, Bgr<Avx2> px) { store8(p, px); }
+
+FASTFEED_AVX512 inline void store(uint8_t* p, Bgr<Avx512> px) {
+    store8(p, {_mm512_castsi512_si256(px.b), _mm512_castsi512_si256(px.g),
+               _mm512_castsi512_si256(px.r)});
+    store8(p + 24, {_mm512_extracti64x4_epi64(px.b, 1), _mm512_extracti64x4_epi64(px.g, 1),
+                    _mm512_extracti64x4_epi64(px.r, 1)});
 }
 
-FASTFEED_AVX512 inline __m512 pick16(__m512 a, __m512 b, __mmask16 take_b) {
-    return _mm512_mask_blend_ps(take_b, a, b);
-}
-
-// Sixteen pixels through the jitter: jitter8's operations on twice the lanes (AVX-512 halves
-// the arithmetic per pixel; the table lookups stay gathers).
-FASTFEED_AVX512 inline Bgr16 jitter16(Bgr16 px, const Luts& lut, const Tables& t) {
-    const __m512i half_unit = _mm512_set1_epi32(kHalf), full_turn = _mm512_set1_epi32(180);
-    const __m512i zero = _mm512_setzero_si512(), five = _mm512_set1_epi32(5);
-    const __m512 to_sector = _mm512_set1_ps(kToSector), to_unit = _mm512_set1_ps(kToUnit);
-    const __m512 one = _mm512_set1_ps(1.f), six = _mm512_set1_ps(6.f);
-    const __m512 scale = _mm512_set1_ps(255.f);
-    const __m512i b = px.b, g = px.g, r = px.r;
-
-    const __m512i value = _mm512_max_epi32(_mm512_max_epi32(b, g), r);
-    const __m512i diff = _mm512_sub_epi32(value, _mm512_min_epi32(_mm512_min_epi32(b, g), r));
-    const __m512i sat = _mm512_srai_epi32(_mm512_add_epi32(
-        _mm512_mullo_epi32(diff, _mm512_i32gather_epi32(value, t.sdiv, 4)), half_unit), kShift);
-    const __m512i diff2 = _mm512_add_epi32(diff, diff);
-    const __m512i from_r = _mm512_sub_epi32(g, b);
-    const __m512i from_g = _mm512_add_epi32(_mm512_sub_epi32(b, r), diff2);
-    const __m512i from_b = _mm512_add_epi32(_mm512_sub_epi32(r, g), _mm512_add_epi32(diff2, diff2));
-    const __m512i hue6 = _mm512_mask_blend_epi32(
-        _mm512_cmpeq_epi32_mask(value, r),
-        _mm512_mask_blend_epi32(_mm512_cmpeq_epi32_mask(value, g), from_b, from_g), from_r);
-    __m512i hue = _mm512_srai_epi32(_mm512_add_epi32(
-        _mm512_mullo_epi32(hue6, _mm512_i32gather_epi32(diff, t.hdiv, 4)), half_unit), kShift);
-    hue = _mm512_mask_add_epi32(hue, _mm512_cmplt_epi32_mask(hue, zero), hue, full_turn);
-
-    __m512 h = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_i32gather_epi32(hue, lut.h, 4)), to_sector);
-    const __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_i32gather_epi32(sat, lut.s, 4)), to_unit);
-    const __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_i32gather_epi32(value, lut.v, 4)), to_unit);
-    h = _mm512_mask_sub_ps(h, _mm512_cmp_ps_mask(h, six, _CMP_GE_OQ), h, six);
-    const __m512 floor_h = _mm512_roundscale_ps(h, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(h, floor_h);
-    const __m512i sector = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvttps_epi32(floor_h), zero), five);
-    const __m512 p = _mm512_mul_ps(v, _mm512_sub_ps(one, s));
-    const __m512 q = _mm512_mul_ps(v, _mm512_fnmadd_ps(s, f, one));
-    const __m512 u = _mm512_mul_ps(v, _mm512_fnmadd_ps(s, _mm512_sub_ps(one, f), one));
-    const __mmask16 s0 = _mm512_cmpeq_epi32_mask(sector, zero);
-    const __mmask16 s1 = _mm512_cmpeq_epi32_mask(sector, _mm512_set1_epi32(1));
-    const __mmask16 s2 = _mm512_cmpeq_epi32_mask(sector, _mm512_set1_epi32(2));
-    const __mmask16 s3 = _mm512_cmpeq_epi32_mask(sector, _mm512_set1_epi32(3));
-    const __mmask16 s4 = _mm512_cmpeq_epi32_mask(sector, _mm512_set1_epi32(4));
-    // (b, g, r) by sector: (p,u,v) (p,v,q) (u,v,p) (v,q,p) (v,p,u) (q,p,v)
-    const __m512 bf = pick16(pick16(pick16(q, v, s3 | s4), u, s2), p, s0 | s1);
-    const __m512 gf = pick16(pick16(pick16(p, q, s3), v, s1 | s2), u, s0);
-    const __m512 rf = pick16(pick16(pick16(pick16(v, u, s4), p, s2 | s3), q, s1), v, s0);
-    return {_mm512_cvttps_epi32(_mm512_mul_ps(bf, scale)), _mm512_cvttps_epi32(_mm512_mul_ps(gf, scale)),
-            _mm512_cvttps_epi32(_mm512_mul_ps(rf, scale))};
-}
-
-// Sixteen values in [0, 255] (int32 lanes) as sixteen bytes at `dst`.
-FASTFEED_AVX512 inline void store_plane16(uint8_t* dst, __m512i x) {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(x));
-}
-
-// The rows' drivers with AVX-512: sixteen pixels at a time, then the AVX2 ones for the rest.
-FASTFEED_AVX512 int jitter_row_avx512(uint8_t* px, int n, const Luts& lut, const Tables& t) {
-    int i = 0;
-    for (; i + 16 <= n; i += 16) {
-        uint8_t* p16 = px + 3 * i;
-        const Bgr16 out = jitter16(join(load8(p16, false), load8(p16 + 24, false)), lut, t);
-        store8(p16, half(out, false));
-        store8(p16 + 24, half(out, true));
+// The rows' drivers at one width, from pixel i on; they return where they stopped.
+template <class V>
+inline int jitter_row_lanes(uint8_t* px, int i, int n, const Luts& lut, const Tables& t) {
+    for (; i + V::kLanes <= n; i += V::kLanes) {
+        store(px + 3 * i, jitter_lanes<V>(load(px + 3 * i, false, V{}), lut, t));
     }
     return i;
 }
 
-FASTFEED_AVX512 int gather_row_avx512(const uint8_t* row, bool mirrored, int n, const Luts* lut,
-                                      const Tables& t, uint8_t* const planes[3]) {
-    int x = 0;
-    for (; x + 16 <= n; x += 16) {
-        const Bgr8 lo = load8(mirrored ? row - 3 * (x + 7) : row + 3 * x, mirrored);
-        const Bgr8 hi = load8(mirrored ? row - 3 * (x + 15) : row + 3 * (x + 8), mirrored);
-        Bgr16 px = join(lo, hi);
-        if (lut != nullptr) px = jitter16(px, *lut, t);
-        store_plane16(planes[0] + x, px.b);
-        store_plane16(planes[1] + x, px.g);
-        store_plane16(planes[2] + x, px.r);
+template <class V>
+inline int gather_row_lanes(const uint8_t* row, bool mirrored, int x, int n, const Luts* lut,
+                            const Tables& t, uint8_t* const planes[3]) {
+    for (; x + V::kLanes <= n; x += V::kLanes) {
+        // Mirrored, output pixel x is the row's pixel -x, and the next ones lie to its left.
+        Bgr<V> px = load(row + (mirrored ? -3 : 3) * x, mirrored, V{});
+        if (lut != nullptr) px = jitter_lanes<V>(px, *lut, t);
+        store_plane(planes[0] + x, px.b);
+        store_plane(planes[1] + x, px.g);
+        store_plane(planes[2] + x, px.r);
     }
     return x;
 }
 
-FASTFEED_AVX2_FMA void jitter_row_avx2(uint8_t* px, int i, int n, const Luts& lut,
-                                       const Tables& t) {
-    for (; i + 8 <= n; i += 8) store8(px + 3 * i, jitter8(load8(px + 3 * i, false), lut, t));
-    for (; i < n; ++i) jitter_pixel(px + 3 * i, lut, t);
+// Whole rows: AVX-512 where the CPU has it, then AVX2, then the scalar pixels.
+__attribute__((flatten)) FASTFEED_AVX512 int jitter_row_avx512(uint8_t* px, int n,
+                                                                const Luts& lut, const Tables& t) {
+    return jitter_row_lanes<Avx2>(px, jitter_row_lanes<Avx512>(px, 0, n, lut, t), n, lut, t);
 }
 
-// Pixels x.. of one row of gather_jittered, eight at a time; returns where it stopped.
-FASTFEED_AVX2_FMA int gather_row_avx2(const uint8_t* row, bool mirrored, int x, int n,
-                                      const Luts* lut, const Tables& t, uint8_t* const planes[3]) {
-    for (; x + 8 <= n; x += 8) {
-        // Mirrored, output pixels x..x+7 are the row's pixels -x-7..-x, stored left to right.
-        Bgr8 px = load8(mirrored ? row - 3 * (x + 7) : row + 3 * x, mirrored);
-        if (lut != nullptr) px = jitter8(px, *lut, t);
-        store_plane8(planes[0] + x, px.b);
-        store_plane8(planes[1] + x, px.g);
-        store_plane8(planes[2] + x, px.r);
-    }
-    return x;
+__attribute__((flatten)) FASTFEED_AVX2_FMA int jitter_row_avx2(uint8_t* px, int n, const Luts& lut,
+                                                               const Tables& t) {
+    return jitter_row_lanes<Avx2>(px, 0, n, lut, t);
+}
+
+__attribute__((flatten)) FASTFEED_AVX512 int gather_row_avx512(
+        const uint8_t* row, bool mirrored, int n, const Luts* lut, const Tables& t,
+        uint8_t* const planes[3]) {
+    const int x = gather_row_lanes<Avx512>(row, mirrored, 0, n, lut, t, planes);
+    return gather_row_lanes<Avx2>(row, mirrored, x, n, lut, t, planes);
+}
+
+__attribute__((flatten)) FASTFEED_AVX2_FMA int gather_row_avx2(
+        const uint8_t* row, bool mirrored, int n, const Luts* lut, const Tables& t,
+        uint8_t* const planes[3]) {
+    return gather_row_lanes<Avx2>(row, mirrored, 0, n, lut, t, planes);
 }
 #endif
 
 void jitter_row(uint8_t* px, int n, const Luts& lut, const Tables& t) {
+    int i = 0;
 #if defined(__x86_64__) || defined(__i386__)
-    if (has_avx2_fma()) {
-        jitter_row_avx2(px, has_avx512() ? jitter_row_avx512(px, n, lut, t) : 0, n, lut, t);
-        return;
+    if (has_avx512()) {
+        i = jitter_row_avx512(px, n, lut, t);
+    } else if (has_avx2_fma()) {
+        i = jitter_row_avx2(px, n, lut, t);
     }
 #endif
-    for (int i = 0; i < n; ++i) jitter_pixel(px + 3 * i, lut, t);
+    for (; i < n; ++i) jitter_pixel(px + 3 * i, lut, t);
 }
 
 Luts expand(uintptr_t lut_ptr) {
@@ -396,9 +409,10 @@ void gather_jittered(uintptr_t dst, const std::vector<JitterSource>& sources, in
             for (int c = 0; c < 3; ++c) bgr[c] = image + (rgb ? 2 - c : c) * plane + y * width;
             int x = 0;
 #if defined(__x86_64__) || defined(__i386__)
-            if (has_avx2_fma()) {
-                x = has_avx512() ? gather_row_avx512(row, mirrored, width, lut, t, bgr) : 0;
-                x = gather_row_avx2(row, mirrored, x, width, lut, t, bgr);
+            if (has_avx512()) {
+                x = gather_row_avx512(row, mirrored, width, lut, t, bgr);
+            } else if (has_avx2_fma()) {
+                x = gather_row_avx2(row, mirrored, width, lut, t, bgr);
             }
 #endif
             for (; x < width; ++x) {
