@@ -93,6 +93,7 @@ FASTFEED_AVX2_FMA Plan plan_columns(const Inverse& inv, int src_w, int out_w) {
 // 2 more than the two pixels it needs.
 constexpr size_t kSlack = 8;
 
+#if defined(__x86_64__) || defined(__i386__)
 // Output columns x.. of a row, one pixel at a time in a vector: the 8 bytes at the left
 // neighbour hold both neighbours' B, G, R (lanes 0-2 and 3-5), and lanes 0-2 of
 // fma(a, right - left, left) are the three outputs (lane 3 spills into the next pixel's place,
@@ -110,6 +111,7 @@ FASTFEED_AVX2_FMA int interpolate_avx2(const uint8_t* line, const Plan& plan, fl
     }
     return out_w;
 }
+#endif
 
 // One canvas row (or the border, outside the canvas), interpolated at every output column.
 // `padded` holds a canvas row as bytes, between border pixels, with kSlack bytes after it.

@@ -406,7 +406,9 @@ void gather_jittered(uintptr_t dst, const std::vector<JitterSource>& sources, in
         for (int y = 0; y < height; ++y) {
             const auto* row = reinterpret_cast<const uint8_t*>(base) + y * row_stride;
             uint8_t* bgr[3];  // where the row's B, G and R values go
-            for (int c = 0; c < 3; ++c) bgr[c] = image + (rgb ? 2 - c : c) * plane + y * width;
+            for (int c = 0; c < 3; ++c) {
+                bgr[c] = image + (rgb ? 2 - c : c) * plane + static_cast<size_t>(y) * width;
+            }
             int x = 0;
 #if defined(__x86_64__) || defined(__i386__)
             if (has_avx512()) {

@@ -189,6 +189,8 @@ def test_lean_format_stays_out_where_format_differs(monkeypatch):
 
     transform = Format()
     assert lean_format(transform) is not None and "apply_instances" in vars(transform)
+    with pytest.raises(AssertionError, match="instances are required"):  # as stock says it
+        transform.apply_instances({}, {"h": 8, "w": 8, "nl": 0})
 
     stock_instances = Format.apply_instances
     monkeypatch.setattr(Format, "apply_instances", lambda self, labels, params: {

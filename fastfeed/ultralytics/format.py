@@ -60,9 +60,12 @@ class _LeanInstances:
     def __init__(self, transform: Any) -> None:
         self.normalize = transform.normalize
         self.batch_idx = transform.batch_idx
+        self.stock = transform.apply_instances
 
     def __call__(self, labels: dict, params: dict) -> dict:
-        cls, instances = params.get("cls", np.array([])), params["instances"]
+        cls, instances = params.get("cls", np.array([])), params.get("instances")
+        if instances is None:  # stock refuses it, and says why
+            return self.stock(labels, params)
         h, w, nl = params.get("h", 0), params.get("w", 0), params.get("nl", 0)
         labels["cls"] = torch.from_numpy(cls) if nl else torch.zeros(nl, 1)
         if nl:

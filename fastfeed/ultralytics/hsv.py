@@ -178,7 +178,7 @@ def defer_jitter(transforms: Sequence[Any]) -> DeferredJitter | None:
     found = [i for i, t in enumerate(transforms) if type(t) is RandomHSV]
     if len(found) != 1 or not all(type(t) is RandomFlip for t in transforms[found[0] + 1:-1]):
         return None
-    if not matches_opencv():
+    if not matches_opencv() or not hasattr(_hsv, "gather_jittered"):  # an older build
         return None
     transform, deferred = transforms[found[0]], DeferredJitter()
     apply_now = transform.apply_image  # the class's (exact_hsv), bound
@@ -206,6 +206,8 @@ def gather_jittered(images: Sequence[np.ndarray], tables: Sequence[np.ndarray | 
     Raises:
         ValueError: the images differ in shape, or one is not an ``H×W×3`` uint8 view whose
             pixels lie 3 bytes apart (either way) with contiguous channels.
+        RuntimeError: fastfeed was installed without its C++ extensions, or a table is given
+            on a CPU without AVX2 and FMA.
     """
     shapes = {image.shape for image in images}
     if len(shapes) != 1:
@@ -215,6 +217,8 @@ def gather_jittered(images: Sequence[np.ndarray], tables: Sequence[np.ndarray | 
                 or image.strides[2] != 1):
             raise ValueError(f"gather_jittered: needs H×W×3 uint8 views with pixels 3 bytes "
                              f"apart, got {image.dtype} {image.shape} strides {image.strides}")
+    if _hsv is None or (any(t is not None for t in tables) and not _hsv.available()):
+        raise RuntimeError("fastfeed._hsv was not built, or this CPU lacks AVX2 and FMA")
     height, width = images[0].shape[:2]
     out = empty((len(images), 3, height, width), torch.uint8)
     tables = [None if t is None else np.ascontiguousarray(t, np.uint8) for t in tables]
