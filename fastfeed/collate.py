@@ -27,8 +27,8 @@ import torch
 from fastfeed._copy import bytes_are_values, stack_hwc_to_chw, stack_into
 from fastfeed._torch_compat import collate_tensor_fn, collate_with, default_collate
 
-__all__ = ["CollateInto", "Empty", "SlotCollate", "as_collate_into", "default_collate_into",
-           "gather_images", "stackable", "torch_empty"]
+__all__ = ["CollateInto", "Empty", "SlotCollate", "as_collate_into", "batch_shape",
+           "default_collate_into", "gather_images", "stackable", "torch_empty"]
 
 Empty = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
 CollateInto = Callable[[list, Empty], Any]
@@ -69,6 +69,20 @@ def default_collate_into(samples: list, empty: Empty) -> Any:
     return collate_with(samples, partial(_stack_into, empty))
 
 
+def batch_shape(images: Sequence[np.ndarray | torch.Tensor]) -> tuple[int, ...]:
+    """The one shape of a batch's images.
+
+    Raises:
+        ValueError: the batch is empty, or its images differ in shape.
+    """
+    if not images:
+        raise ValueError("cannot collate an empty batch")
+    shapes = {tuple(image.shape) for image in images}
+    if len(shapes) != 1:
+        raise ValueError(f"fastfeed: the images of one batch differ in shape: {sorted(shapes)}")
+    return shapes.pop()
+
+
 def gather_images(images: Sequence[np.ndarray | torch.Tensor], empty: Empty,
                   reverse_channels: Sequence[bool] | None = None) -> torch.Tensor:
     """Stack a batch's images into one tensor from ``empty``, in one pass.
@@ -79,17 +93,13 @@ def gather_images(images: Sequence[np.ndarray | torch.Tensor], empty: Empty,
     Raises:
         ValueError: the batch is empty, or its images differ in shape.
     """
-    if not images:
-        raise ValueError("cannot collate an empty batch")
-    shapes = {tuple(image.shape) for image in images}
-    if len(shapes) != 1:
-        raise ValueError(f"fastfeed: the images of one batch differ in shape: {sorted(shapes)}")
+    shape = batch_shape(images)
     if isinstance(images[0], np.ndarray):
-        height, width, channels = images[0].shape
+        height, width, channels = shape
         out = empty((len(images), channels, height, width), torch.uint8)
         stack_hwc_to_chw(out, images, reverse_channels)
     else:
-        out = empty((len(images), *images[0].shape), images[0].dtype)
+        out = empty((len(images), *shape), images[0].dtype)
         stack_into(out, images)  # type: ignore[arg-type]
     return out
 

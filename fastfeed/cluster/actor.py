@@ -11,6 +11,7 @@ runs an actor's calls one at a time, in the order they were submitted: the proto
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
 from dataclasses import replace
@@ -124,9 +125,7 @@ class _ReusedMemory:
         return batch
 
     def _empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        nbytes = dtype.itemsize
-        for size in shape:
-            nbytes *= size
+        nbytes = math.prod(shape) * dtype.itemsize
         start = round_up(self._used, ALIGN)
         self._used = start + nbytes
         if self._used > self._memory.nbytes:

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fastfeed.collate import Empty
+from fastfeed.collate import Empty, batch_shape
 
 try:
     from fastfeed import _hsv  # type: ignore[attr-defined]
@@ -204,14 +204,13 @@ def gather_jittered(images: Sequence[np.ndarray], tables: Sequence[np.ndarray | 
     where ``reverse_channels`` says so.
 
     Raises:
-        ValueError: the images differ in shape, or one is not an ``H×W×3`` uint8 view whose
-            pixels lie 3 bytes apart (either way) with contiguous channels.
+        ValueError: the batch is empty, its images differ in shape, or one is not an
+            ``H×W×3`` uint8 view whose pixels lie 3 bytes apart (either way) with contiguous
+            channels.
         RuntimeError: fastfeed was installed without its C++ extensions, or a table is given
             on a CPU without AVX2 and FMA.
     """
-    shapes = {image.shape for image in images}
-    if len(shapes) != 1:
-        raise ValueError(f"fastfeed: the images of one batch differ in shape: {sorted(shapes)}")
+    height, width = batch_shape(images)[:2]
     for image in images:
         if (image.dtype != np.uint8 or image.shape[2:] != (3,) or abs(image.strides[1]) != 3
                 or image.strides[2] != 1):
@@ -219,7 +218,6 @@ def gather_jittered(images: Sequence[np.ndarray], tables: Sequence[np.ndarray | 
                              f"apart, got {image.dtype} {image.shape} strides {image.strides}")
     if _hsv is None or (any(t is not None for t in tables) and not _hsv.available()):
         raise RuntimeError("fastfeed._hsv was not built, or this CPU lacks AVX2 and FMA")
-    height, width = images[0].shape[:2]
     out = empty((len(images), 3, height, width), torch.uint8)
     tables = [None if t is None else np.ascontiguousarray(t, np.uint8) for t in tables]
     _hsv.gather_jittered(out.data_ptr(), [
