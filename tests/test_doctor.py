@@ -60,6 +60,12 @@ def test_verdict_rules():
     assert judge(0.10, 100, 1000).name == BALANCED
     assert not judge(0.01, 100, 1000).loader_helps
     assert "10.0×" in " ".join(judge(0.01, 100, 1000).evidence)
+    # A wait that, given back whole, would shorten steps by less than the gain the doctor counts
+    # (1.10×) cannot be the loader's to fix: 8 % gives at most 1.09×, 10 % 1.11×.
+    assert judge(0.08, 100, 1000).name == COMPUTE_BOUND
+    assert "at most 1.09×" in " ".join(judge(0.08, 100, 1000).evidence)
+    assert judge(0.08, 100, None).name == COMPUTE_BOUND
+    assert judge(0.08, 100, 120).name == BALANCED
     # Which balance: the loader just keeping up, or a wait for what training shares with it.
     assert "just keeps up" in " ".join(judge(0.10, 100, 120).evidence)
     assert "shares" in " ".join(judge(0.10, 100, 1000).evidence)
