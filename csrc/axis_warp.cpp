@@ -65,6 +65,13 @@ struct Plan {
     std::vector<int> column;  // padded index of each output column's left neighbour
     std::vector<float> alpha;
     int first = 0, last = -1;  // the source columns that any output column reads
+    // interpolate_vbmi's blocks of 16 output columns, where planned: the byte offset of each
+    // block's 128-byte window in a padded row; per block, the window offsets of its 48 left and
+    // 48 right neighbour bytes, 16 to a 64-byte index (one byte per 32-bit lane); and each
+    // output value's weight, alpha repeated for B, G and R.
+    std::vector<size_t> block_start;
+    std::vector<uint8_t> block_index;
+    std::vector<float> alpha3;
 };
 
 FASTFEED_AVX2_FMA Plan plan_columns(const Inverse& inv, int src_w, int out_w) {
@@ -89,9 +96,34 @@ FASTFEED_AVX2_FMA Plan plan_columns(const Inverse& inv, int src_w, int out_w) {
     return plan;
 }
 
-// Bytes past a padded row's last pixel: the vector path reads 8 bytes at each left neighbour,
-// 2 more than the two pixels it needs.
-constexpr size_t kSlack = 8;
+// Bytes past a padded row's last pixel: interpolate_vbmi reads 128 bytes from the left
+// neighbour of a block's first column (interpolate_avx2 8 bytes at each left neighbour).
+constexpr size_t kWindow = 128;
+constexpr size_t kSlack = kWindow;
+
+// interpolate_vbmi's blocks (see Plan), if every full block's neighbours fit in its window.
+void plan_blocks(Plan& plan, int out_w) {
+    const int blocks = out_w / 16;
+    std::vector<size_t> start(blocks);
+    std::vector<uint8_t> index(static_cast<size_t>(blocks) * 6 * 64, 0);
+    for (int k = 0; k < blocks; ++k) {
+        const int* column = plan.column.data() + 16 * k;
+        // Columns run backwards under a mirroring matrix: those blocks are not planned.
+        const int span = column[15] - column[0];
+        if (span < 0 || span * 3 + 6 > static_cast<int>(kWindow)) return;
+        start[k] = static_cast<size_t>(column[0]) * 3;
+        for (int value = 0; value < 48; ++value) {
+            const int offset = (column[value / 3] - column[0]) * 3 + value % 3;
+            uint8_t* lane = index.data() + static_cast<size_t>(k) * 6 * 64 + (value / 16) * 128;
+            lane[4 * (value % 16)] = static_cast<uint8_t>(offset);           // left
+            lane[64 + 4 * (value % 16)] = static_cast<uint8_t>(offset + 3);  // right
+        }
+    }
+    plan.block_start = std::move(start);
+    plan.block_index = std::move(index);
+    plan.alpha3.resize(static_cast<size_t>(blocks) * 48);
+    for (size_t i = 0; i < plan.alpha3.size(); ++i) plan.alpha3[i] = plan.alpha[i / 3];
+}
 
 #if defined(__x86_64__) || defined(__i386__)
 // Output columns x.. of a row, one pixel at a time in a vector: the 8 bytes at the left
@@ -99,9 +131,9 @@ constexpr size_t kSlack = 8;
 // fma(a, right - left, left) are the three outputs (lane 3 spills into the next pixel's place,
 // which it then overwrites; `out` has one float of slack at its end).
 FASTFEED_AVX2_FMA int interpolate_avx2(const uint8_t* line, const Plan& plan, float* out,
-                                         int out_w) {
+                                         int from, int out_w) {
     const __m256i right = _mm256_setr_epi32(3, 4, 5, 6, 7, 7, 7, 7);
-    for (int x = 0; x < out_w; ++x) {
+    for (int x = from; x < out_w; ++x) {
         const __m128i bytes = _mm_loadl_epi64(
             reinterpret_cast<const __m128i*>(line + static_cast<size_t>(plan.column[x]) * 3));
         const __m256 left = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
@@ -110,6 +142,52 @@ FASTFEED_AVX2_FMA int interpolate_avx2(const uint8_t* line, const Plan& plan, fl
         _mm_storeu_ps(out + 3 * x, _mm256_castps256_ps128(v));
     }
     return out_w;
+}
+
+// The same arithmetic, sixteen output pixels at a time, where a block's two neighbours of each
+// pixel lie within 128 bytes of its first (every block, at Ultralytics' scales 0.5 to 1.5):
+// byte permutes across two registers of the row pick each of the 48 left and 48 right bytes
+// into a 32-bit lane of its own, and the block's 48 outputs are computed in row order, so
+// every vector operation is a full one and only six permutes touch the shuffle port.
+FASTFEED_AVX512_VBMI int interpolate_vbmi(const uint8_t* line, const Plan& plan, float* out) {
+    constexpr __mmask64 kLowBytes = 0x1111111111111111ULL;
+    const int blocks = static_cast<int>(plan.block_start.size());
+    for (int k = 0; k < blocks; ++k) {
+        const uint8_t* window = line + plan.block_start[k];
+        const __m512i lo = _mm512_loadu_si512(window);
+        const __m512i hi = _mm512_loadu_si512(window + 64);
+        const uint8_t* index = plan.block_index.data() + static_cast<size_t>(k) * 6 * 64;
+        const float* alpha = plan.alpha3.data() + static_cast<size_t>(k) * 48;
+        float* dst = out + static_cast<size_t>(k) * 48;
+        for (int part = 0; part < 3; ++part) {
+            const uint8_t* at = index + part * 128;
+            const __m512 left = _mm512_cvtepi32_ps(_mm512_maskz_permutex2var_epi8(
+                kLowBytes, lo, _mm512_loadu_si512(at), hi));
+            const __m512 right = _mm512_cvtepi32_ps(_mm512_maskz_permutex2var_epi8(
+                kLowBytes, lo, _mm512_loadu_si512(at + 64), hi));
+            _mm512_storeu_ps(dst + 16 * part,
+                             _mm512_fmadd_ps(_mm512_loadu_ps(alpha + 16 * part),
+                                             _mm512_sub_ps(right, left), left));
+        }
+    }
+    return 16 * blocks;
+}
+
+// Output bytes i.. of a row from its upper and lower interpolated rows, 16 at a time, as the
+// scalar loop: round half to even (the default rounding mode), then clamp to 0..255.
+FASTFEED_AVX512 size_t blend_rows_avx512(const float* v0, const float* v1, float b,
+                                           uint8_t* out, size_t n) {
+    const __m512 weight = _mm512_set1_ps(b);
+    const __m512i zero = _mm512_setzero_si512();
+    size_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const __m512 upper = _mm512_loadu_ps(v0 + i);
+        const __m512 v = _mm512_fmadd_ps(weight, _mm512_sub_ps(_mm512_loadu_ps(v1 + i), upper),
+                                         upper);
+        const __m512i rounded = _mm512_max_epi32(_mm512_cvtps_epi32(v), zero);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm512_cvtusepi32_epi8(rounded));
+    }
+    return i;
 }
 #endif
 
@@ -136,7 +214,10 @@ FASTFEED_AVX2_FMA void horizontal(const std::vector<Tile>& tiles, bool covered, 
     }
     int x = 0;
 #if defined(__x86_64__) || defined(__i386__)
-    x = interpolate_avx2(base, plan, out, out_w);  // the kernel runs only where available()
+    // The kernels run only where available(); the blocks are planned only where the CPU has
+    // AVX-512 VBMI.
+    x = plan.block_start.empty() ? 0 : interpolate_vbmi(base, plan, out);
+    x = interpolate_avx2(base, plan, out, x, out_w);
 #endif
     for (; x < out_w; ++x) {
         const uint8_t* p = base + static_cast<size_t>(plan.column[x]) * 3;
@@ -150,8 +231,9 @@ FASTFEED_AVX2_FMA void horizontal(const std::vector<Tile>& tiles, bool covered, 
 
 FASTFEED_AVX2_FMA void warp(const std::vector<Tile>& tiles, int src_h, int src_w,
                               uint8_t* dst, int out_h, int out_w, const Inverse& inv,
-                              uint8_t border) {
-    const Plan plan = plan_columns(inv, src_w, out_w);
+                              uint8_t border, bool avx512, bool vbmi) {
+    Plan plan = plan_columns(inv, src_w, out_w);
+    if (vbmi) plan_blocks(plan, out_w);
     const bool covered = tiles.size() == 1 && tiles[0].y1 <= 0 && tiles[0].x1 <= 0 &&
                          tiles[0].y2 >= src_h && tiles[0].x2 >= src_w;
     std::vector<uint8_t> padded(static_cast<size_t>(src_w + 2 * kPad) * 3 + kSlack, border);
@@ -182,7 +264,11 @@ FASTFEED_AVX2_FMA void warp(const std::vector<Tile>& tiles, int src_h, int src_w
         uint8_t* out = dst + static_cast<size_t>(y) * n;
         const float* v0 = upper.data();
         const float* v1 = lower.data();
-        for (size_t i = 0; i < n; ++i) {  // an int clamp: GCC vectorises it, not a float one
+        size_t i = 0;
+#if defined(__x86_64__) || defined(__i386__)
+        if (avx512) i = blend_rows_avx512(v0, v1, b, out, n);
+#endif
+        for (; i < n; ++i) {  // an int clamp: GCC vectorises it, not a float one
             const int v = static_cast<int>(std::nearbyint(std::fma(b, v1[i] - v0[i], v0[i])));
             out[i] = static_cast<uint8_t>(std::clamp(v, 0, 255));
         }
@@ -203,7 +289,7 @@ void warp_axis_aligned(const std::vector<TileArgs>& tile_args, int src_h, int sr
     const Inverse inv = invert(a, b, d, e);
     py::gil_scoped_release release;
     warp(tiles, src_h, src_w, reinterpret_cast<uint8_t*>(dst), out_h, out_w, inv,
-         static_cast<uint8_t>(border));
+         static_cast<uint8_t>(border), has_avx512(), has_avx512_vbmi());
 }
 
 }  // namespace

@@ -17,9 +17,15 @@ inline bool has_avx512() {
            __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
            __builtin_cpu_supports("avx512vl");
 }
+// AVX-512 with byte permutes across a whole register (VBMI: Ice Lake and later, Zen 4).
+#define FASTFEED_AVX512_VBMI \
+    __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi,avx2,fma")))
+inline bool has_avx512_vbmi() { return has_avx512() && __builtin_cpu_supports("avx512vbmi"); }
 #else
 #define FASTFEED_AVX2_FMA
 #define FASTFEED_AVX512
+#define FASTFEED_AVX512_VBMI
 inline bool has_avx2_fma() { return true; }
 inline bool has_avx512() { return false; }
+inline bool has_avx512_vbmi() { return false; }
 #endif

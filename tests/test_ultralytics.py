@@ -499,16 +499,20 @@ def test_warp_affine_matches_cv2():
 
 
 def axis_aligned_cases(rng, count):
-    """Images, scale-and-translate matrices and sizes: zoom in and out, unequal scales, rows
-    with padding between them or in reverse order, outputs that run past every edge."""
+    """Images, scale-and-translate matrices and sizes: zoom in and out, unequal scales, mirrored
+    columns, rows with padding between them or in reverse order, outputs that run past every
+    edge."""
     for i in range(count):
         h, w = (int(v) for v in rng.integers(40, 900, 2))
         image = rng.integers(0, 256, (h, w + 5 * (i % 2), 3), dtype=np.uint8)[:, :w]
         image = image[::-1] if i % 4 == 3 else image
         sx = rng.uniform(0.3, 2.0)
         sy = sx if i % 3 else rng.uniform(0.3, 2.0)
-        matrix = np.array([[sx, 0, rng.uniform(-1200, 600)], [0, sy, rng.uniform(-1200, 600)],
-                           [0, 0, 1]], np.float32)
+        tx = rng.uniform(-1200, 600)
+        if i % 5 == 4:  # mirrored: output column tx - sx * x shows source column x
+            sx, tx = -sx, sx * w + tx / 4
+        matrix = np.array([[sx, 0, tx], [0, sy, rng.uniform(-1200, 600)], [0, 0, 1]],
+                          np.float32)
         yield image, matrix, (32 * int(rng.integers(1, 25)), int(rng.integers(1, 500)))
 
 
