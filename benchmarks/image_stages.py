@@ -20,7 +20,7 @@ import torch
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from fastfeed.vision.decode import _jpeg, resize
+from fastfeed.vision.decode import _jpeg, jpeg_frame_size, resize
 from fastfeed.vision.synthetic import make_imagefolder
 
 
@@ -44,7 +44,7 @@ def main() -> None:
         sys.exit("fastfeed._jpeg is not built (libjpeg-turbo headers missing)")
 
     def window(data: bytes) -> np.ndarray:  # the central 3/4 of the image
-        w, h = _jpeg.jpeg_size(data)
+        w, h = jpeg_frame_size(data)
         return _jpeg.decode_crop(data, w // 8, h // 8, 3 * w // 4, 3 * h // 4, 224, 224)[0]
 
     windows = [window(b) for b in blobs]

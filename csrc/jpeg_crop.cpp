@@ -59,8 +59,8 @@ struct Window {
     char error[JMSG_LENGTH_MAX] = {0};
 };
 
-// Reads the header only (header_only) or decodes the window. Returns false with out.error set.
-bool run(const Request& req, Window& out, bool header_only) {
+// Decodes the window. Returns false with out.error set.
+bool run(const Request& req, Window& out) {
     jpeg_decompress_struct cinfo;
     ErrorManager err;
     cinfo.err = jpeg_std_error(&err.base);
@@ -76,10 +76,6 @@ bool run(const Request& req, Window& out, bool header_only) {
     jpeg_read_header(&cinfo, TRUE);
     out.image_width = static_cast<int>(cinfo.image_width);
     out.image_height = static_cast<int>(cinfo.image_height);
-    if (header_only) {
-        jpeg_destroy_decompress(&cinfo);
-        return true;
-    }
     if (req.w <= 0 || req.h <= 0 || req.x < 0 || req.y < 0 || req.x + req.w > out.image_width ||
         req.y + req.h > out.image_height) {
         std::snprintf(out.error, sizeof(out.error), "crop box (%d, %d, %d, %d) is outside the "
@@ -126,26 +122,21 @@ bool run(const Request& req, Window& out, bool header_only) {
     return true;
 }
 
-Window run_without_gil(const std::string& data, Request req, bool header_only) {
+Window run_without_gil(const std::string& data, Request req) {
     req.data = reinterpret_cast<const unsigned char*>(data.data());
     req.size = data.size();
     Window out;
     bool ok;
     {
         py::gil_scoped_release release;
-        ok = run(req, out, header_only);
+        ok = run(req, out);
     }
     if (!ok) throw std::runtime_error(out.error);
     return out;
 }
 
-py::tuple jpeg_size(const py::bytes& data) {
-    Window out = run_without_gil(data, Request{}, true);
-    return py::make_tuple(out.image_width, out.image_height);
-}
-
 py::tuple decode_crop(const py::bytes& data, int x, int y, int w, int h, int min_w, int min_h) {
-    Window out = run_without_gil(data, Request{nullptr, 0, x, y, w, h, min_w, min_h}, false);
+    Window out = run_without_gil(data, Request{nullptr, 0, x, y, w, h, min_w, min_h});
     py::array_t<uint8_t> pixels({out.height, out.width, 3});
     std::memcpy(pixels.mutable_data(), out.pixels.data(), out.pixels.size());
     return py::make_tuple(pixels, out.denom);
@@ -155,7 +146,6 @@ py::tuple decode_crop(const py::bytes& data, int x, int y, int w, int h, int min
 
 PYBIND11_MODULE(_jpeg, m) {
     m.doc() = "Region-of-interest JPEG decoding with libjpeg-turbo.";
-    m.def("jpeg_size", &jpeg_size, py::arg("data"), "(width, height) of a JPEG, from its header.");
     m.def("decode_crop", &decode_crop, py::arg("data"), py::arg("x"), py::arg("y"), py::arg("w"),
           py::arg("h"), py::arg("min_w"), py::arg("min_h"),
           "Decode the (x, y, w, h) window of a JPEG at the coarsest DCT scale keeping it at "

@@ -23,7 +23,7 @@ from fastfeed.vision import (
     parse_labels,
     roi_decoder_available,
 )
-from fastfeed.vision.decode import image_size
+from fastfeed.vision.decode import image_size, jpeg_frame_size
 from fastfeed.vision.synthetic import make_image, make_imagefolder, make_yolo
 from fastfeed.vision.yolo import letterbox_boxes
 
@@ -84,6 +84,47 @@ def test_image_size_and_non_jpeg():
     assert out.shape == (3, 6, 8)
     assert torch.equal(out, torch.tensor([10, 20, 30], dtype=torch.uint8).view(3, 1, 1)
                        .expand(3, 6, 8))
+
+
+def jpeg_variants():
+    """JPEGs whose frame header sits behind other segments: EXIF and ICC blocks, progressive
+    scans, grey, CMYK, 4:4:4 and 4:2:0, restart markers."""
+    image = make_image(__import__("random").Random(3), 333, 217)
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotated: the frame's size is still the stored one
+    for mode, options in [("RGB", {}), ("RGB", {"progressive": True}), ("L", {}),
+                          ("CMYK", {}), ("RGB", {"subsampling": 0}),
+                          ("RGB", {"exif": exif.tobytes(), "icc_profile": b"\0" * 70000}),
+                          ("RGB", {"subsampling": 2, "restart_marker_blocks": 4})]:
+        buffer = io.BytesIO()
+        image.convert(mode).save(buffer, "JPEG", quality=85, **options)
+        yield buffer.getvalue()
+
+
+def test_jpeg_frame_size_is_pillows():
+    for data in jpeg_variants():
+        with Image.open(io.BytesIO(data)) as image:
+            assert jpeg_frame_size(data) == image.size
+    # Fill bytes before a marker, and stray bytes between segments, which libjpeg skips (and
+    # Pillow refuses).
+    data = jpeg_bytes(77, 55)
+    assert jpeg_frame_size(data[:2] + b"\xff\xff\xff" + data[2:]) == (77, 55)
+    assert jpeg_frame_size(data[:2] + b"junk" + data[2:]) == (77, 55)
+
+
+@pytest.mark.parametrize("damage", ["png", "no frame", "empty frame", "truncated"])
+def test_jpeg_frame_size_refuses_what_has_none(damage):
+    data = jpeg_bytes(77, 55)
+    frame = data.index(b"\xff\xc0")
+    broken = {"png": b"\x89PNG\r\n\x1a\n" + data[8:],
+              "no frame": data[:frame] + data[frame + 2 + int.from_bytes(data[frame + 2:frame + 4],
+                                                                         "big"):],
+              "empty frame": data[:frame + 5] + b"\0\0" + data[frame + 7:],
+              "truncated": data[:frame + 6]}[damage]
+    with pytest.raises(ValueError):
+        jpeg_frame_size(broken)
+    with pytest.raises(DecodeError, match=r"cannot read image x\.jpg"):
+        image_size(broken, "x.jpg")
 
 
 @pytest.mark.parametrize("use_roi", [True, False])

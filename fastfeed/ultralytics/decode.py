@@ -16,8 +16,8 @@ grey-scale datasets, and the short-side and stretch modes.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import cv2
@@ -53,13 +53,14 @@ def _takes_fast_path(dataset: Any, i: int, rect_mode: bool, resize_short: bool) 
     return (dataset.ims[i] is None and rect_mode and not resize_short
             and dataset.cv2_flag == cv2.IMREAD_COLOR
             and str(dataset.im_files[i]).lower().endswith(_JPEG_SUFFIXES)
-            and dataset.cache != "disk" and not Path(dataset.npy_files[i]).exists())
+            and dataset.cache != "disk" and not os.path.exists(dataset.npy_files[i]))
 
 
 def _decode(path: str, imgsz: int) -> tuple[np.ndarray, tuple[int, int]] | None:
     """The image resized as Ultralytics resizes it, and its full ``(h, w)``; ``None`` for a
     file that is not what its header says (Ultralytics' own reader then reports it)."""
-    data = Path(path).read_bytes()
+    with open(path, "rb") as file:  # pathlib's wrappers cost a tenth of the read
+        data = file.read()
     try:
         width, height = image_size(data, path)
     except DecodeError:
