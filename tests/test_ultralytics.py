@@ -527,6 +527,23 @@ def test_axis_aligned_warp_is_opencvs_to_the_bit():
             image.shape, matrix, size)
 
 
+def test_shrink_linear_is_within_a_level_of_cv2_resize():
+    """cv2.resize's sampling positions with float weights: any width, unequal factors, a
+    strided image, the same size; enlargements are left to cv2."""
+    from fastfeed.ultralytics.warp import shrink_linear
+
+    rng = np.random.default_rng(2)
+    for case in range(12):
+        h, w = (int(v) for v in rng.integers(20, 700, 2))
+        image = rng.integers(0, 256, (h, 2 * w, 3), dtype=np.uint8)[:, :w]
+        size = (int(rng.integers(1, w + 1)), int(rng.integers(1, h + 1))) if case else (w, h)
+        expected = cv2.resize(image, size, interpolation=cv2.INTER_LINEAR)
+        got = shrink_linear(image, size)
+        assert got is not None and got.shape == expected.shape, (image.shape, size)
+        assert np.abs(got.astype(int) - expected).max() <= 1, (image.shape, size)
+    assert shrink_linear(image, (w + 1, h)) is None and shrink_linear(image, (w, h + 1)) is None
+
+
 @pytest.mark.skipif(cv2.__version__ < "5", reason="OpenCV 4 warps in fixed point")
 def test_mosaic_warped_from_its_four_images_is_the_canvas_warped():
     """The kernel reads a pending mosaic from its four images (grey between them, rows and

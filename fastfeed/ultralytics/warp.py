@@ -29,7 +29,7 @@ try:
 except ImportError:  # installed without a C++ compiler: every warp stays OpenCV's
     _warp = None
 
-__all__ = ["exact_warp", "matches_opencv", "warp_axis_aligned"]
+__all__ = ["exact_warp", "matches_opencv", "shrink_linear", "warp_axis_aligned"]
 
 # OpenCV computes the last (width mod its vector width) pixels of a row with scalar code
 # whose rounding may differ; a multiple of 32 has no such tail on any of its builds.
@@ -61,6 +61,24 @@ def warp_axis_aligned(image: np.ndarray, matrix: np.ndarray, size: tuple[int, in
     if reason:
         raise ValueError(f"warp_axis_aligned: {reason}")
     return _run(image, matrix, size, int(border))
+
+
+def shrink_linear(image: np.ndarray, size: tuple[int, int]) -> np.ndarray | None:
+    """``image`` shrunk to ``size`` ``(width, height)`` by bilinear interpolation at the pixel
+    centres ``cv2.resize(image, size, interpolation=cv2.INTER_LINEAR)`` samples, with the
+    separable kernel's float32 weights where OpenCV's are 11-bit fixed point: within one grey
+    level of it, in about three quarters of its time. ``None`` where the kernel cannot run it
+    (not built, a CPU without AVX2 and FMA, not an ``H×W×3`` ``uint8`` image with contiguous
+    pixels, or ``size`` larger than the image on either axis)."""
+    height, width = image.shape[:2]
+    if (_warp is None or not _warp.available() or _unsupported_image(image)
+            or not (0 < size[0] <= width and 0 < size[1] <= height)):
+        return None
+    # cv2.resize reads output pixel x at source x' = (x + 0.5) * width / size - 0.5: the
+    # inverse of x = a * x' + b below. A shrink never reaches past the image's last pixel.
+    a, d = size[0] / width, size[1] / height
+    matrix = np.array([[a, 0, 0.5 * a - 0.5], [0, d, 0.5 * d - 0.5]])
+    return _run(image, matrix, size, BORDER)
 
 
 def _run(image: np.ndarray, matrix: np.ndarray, size: tuple[int, int], border: int
