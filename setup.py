@@ -37,10 +37,12 @@ def _extension(name: str, source: str, flags: tuple[str, ...] = (), **kwargs
 
 extensions = [
     _extension("fastfeed._C", "csrc/gather.cpp"),
-    # Unfused multiply-adds: the kernel must round as OpenCV's does (see the file's head).
-    _extension("fastfeed._warp", "csrc/axis_warp.cpp", flags=("-ffp-contract=off", "-fno-wrapv", "-fno-math-errno")),
+    # Unfused multiply-adds: the kernels must round as OpenCV's do (see the files' heads).
     # GCC 12 flags its own AVX-512 headers (their undefined registers) as maybe-uninitialized,
     # and the ABI of vector returns from the (always inlined) lane templates.
+    _extension("fastfeed._warp", "csrc/axis_warp.cpp",
+               flags=("-ffp-contract=off", "-fno-wrapv", "-fno-math-errno",
+                      "-Wno-maybe-uninitialized")),
     _extension("fastfeed._hsv", "csrc/hsv_jitter.cpp",
                flags=("-ffp-contract=off", "-fno-math-errno", "-Wno-maybe-uninitialized", "-Wno-psabi")),
     _extension("fastfeed._flags", "csrc/shared_flags.cpp"),

@@ -231,7 +231,7 @@ FASTFEED_AVX2_FMA void horizontal(const std::vector<Tile>& tiles, bool covered, 
 
 FASTFEED_AVX2_FMA void warp(const std::vector<Tile>& tiles, int src_h, int src_w,
                               uint8_t* dst, int out_h, int out_w, const Inverse& inv,
-                              uint8_t border, bool avx512, bool vbmi) {
+                              uint8_t border, [[maybe_unused]] bool avx512, bool vbmi) {
     Plan plan = plan_columns(inv, src_w, out_w);
     if (vbmi) plan_blocks(plan, out_w);
     const bool covered = tiles.size() == 1 && tiles[0].y1 <= 0 && tiles[0].x1 <= 0 &&

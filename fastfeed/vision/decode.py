@@ -65,10 +65,11 @@ def _window_decodable(data: bytes) -> bool:
 
 
 def jpeg_frame_size(data: bytes) -> tuple[int, int]:
-    """``(width, height)`` of a JPEG from its frame header, as libjpeg reports it (before any
-    EXIF rotation): the segments before it are skipped by their lengths, and bytes between
-    segments as libjpeg skips them. A few microseconds, where libjpeg's header read parses every
-    table on the way (about 25).
+    """``(width, height)`` of a JPEG from its frame header, as libjpeg reports it for any file
+    it decodes (before any EXIF rotation): the segments before it are skipped by their lengths,
+    and bytes between segments as libjpeg skips them. A few microseconds, where libjpeg's header
+    read parses every table on the way (about 25). Tables are not checked: a file whose frame
+    type or tables libjpeg refuses gets a size here and fails at its decode.
 
     Raises:
         ValueError: not a JPEG, a scan or the end before any frame, a frame without a size, or
