@@ -215,11 +215,15 @@ def _stage_times(stats: dict, samples: int) -> dict[str, float]:
             if any(name == n and path.endswith(p) if p != "~" else path == "~" and n in name
                    for p, n in entries):
                 times[stage] += tottime
-    # fast_decode's shrink runs the warp's kernel: its time is the resize's, not the warp's.
-    for (path, _, name), (_, _, tottime, cumtime, _) in stats.items():
-        if name == "shrink_linear" and path.endswith("warp.py"):
-            times["resize"] += cumtime
-            times["warp"] -= cumtime - tottime
+    # fast_decode's shrink runs the warp's kernel through warp._run (which the warp of these
+    # pipelines, always on a mosaic, does not take): that share of the kernel is the resize's.
+    kernel = sum(entry[2] for (path, _, name), entry in stats.items()
+                 if path == "~" and "warp_axis_aligned" in name)
+    for (path, _, name), (_, _, _, cumtime, callers) in stats.items():
+        if name == "_run_tiles" and path.endswith("warp.py") and cumtime > 0:
+            shrink = sum(edge[3] for (_, _, caller), edge in callers.items() if caller == "_run")
+            times["resize"] += kernel * shrink / cumtime
+            times["warp"] -= kernel * shrink / cumtime
     times["rest (Python)"] = total - sum(times.values())
     return {stage: t / samples * 1e3 for stage, t in times.items()}
 
