@@ -14,6 +14,11 @@ Steps (``--consumer``):
 - ``spin``: the thread runs Python for the whole step, as a trainer launching many small
   kernels does: it holds the GIL but at switch intervals, and a core.
 
+``--pin-ms`` models ``pin_memory=True`` on a CUDA machine (what Ultralytics passes there) on
+this CPU-only one: both loaders pin (torch's pin thread, FastLoader wherever it pins), and the
+pinned copy is a real copy of the batch plus ``--pin-ms`` of waiting, as page-locked allocation
+and first-touch faults cost on a GPU machine.
+
 Configurations: ``stock`` (Ultralytics' loader) and ``patched`` (``fastfeed.ultralytics.patch()``),
 each in a fresh process, interleaved over ``--repeats``. Per configuration: the median share of
 each timed epoch's wall time spent waiting for a batch, the worst single wait, and where
@@ -47,6 +52,33 @@ def _spin(seconds: float) -> None:
         pass
 
 
+def model_pinning(pin_ms: float) -> None:
+    """Make both loaders pin on this CPU-only machine, with a pinned copy that takes
+    ``pin_ms`` more than the copy itself (see the module's notes)."""
+    import torch
+    from torch.utils.data._utils import pin_memory as torch_pinning
+
+    def copy(data: Any) -> Any:
+        if isinstance(data, torch.Tensor):
+            return data.clone()
+        if isinstance(data, dict):
+            return {key: copy(value) for key, value in data.items()}
+        if isinstance(data, (list, tuple)):
+            return type(data)(copy(value) for value in data)
+        return data
+
+    def pin(data: Any, device: Any = None) -> Any:
+        time.sleep(pin_ms / 1e3)
+        return copy(data)
+
+    torch_pinning.pin_memory = pin  # torch's pin thread and fastfeed both call it from here
+    torch.accelerator.is_available = lambda: True  # torch's iterator pins only then
+    torch.accelerator.current_accelerator = lambda check_available=False: None
+    torch.accelerator.current_device_index = lambda: 0
+    torch.accelerator.set_device_index = lambda device: None
+    torch.cuda.is_available = lambda: True  # fastfeed pins only then
+
+
 def run_epochs(config: str, root: Path, args: Any) -> list[dict[str, Any]]:
     """Every timed epoch of ``config``, in this process."""
     os.environ["YOLO_OFFLINE"] = "1"
@@ -64,6 +96,9 @@ def run_epochs(config: str, root: Path, args: Any) -> list[dict[str, Any]]:
     data = {"names": {i: str(i) for i in range(8)}, "nc": 8, "channels": 3}
     dataset = build_yolo_dataset(cfg, str(root / "images"), args.batch_size, data, mode="train")
     loader = build_dataloader(dataset, args.batch_size, args.workers, shuffle=True, rank=-1)
+    if args.pin_ms:
+        model_pinning(args.pin_ms)
+        loader.pin_memory = True  # build_dataloader pins only where it counts a GPU
     step = args.step_ms / 1e3
     work = time.sleep if args.consumer == "sleep" else _spin
     epochs = []
@@ -95,6 +130,8 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=16, help="batches per epoch")
     parser.add_argument("--step-ms", type=float, default=56.0)
     parser.add_argument("--consumer", choices=["sleep", "spin"], default="sleep")
+    parser.add_argument("--pin-ms", type=float, default=0.0,
+                        help="model pin_memory=True: each pinned copy takes this much longer")
     parser.add_argument("--imgsz", type=int, default=640)
     parser.add_argument("--widths", default="1280,1920")
     parser.add_argument("--data", type=Path, help=argparse.SUPPRESS)
@@ -115,12 +152,14 @@ def main() -> None:
         __file__, args.configs.split(","), args.repeats,
         ["--data", str(root), "--imgsz", str(args.imgsz), "--workers", str(args.workers),
          "--batch-size", str(args.batch_size), "--epochs", str(args.epochs),
-         "--step-ms", str(args.step_ms), "--consumer", args.consumer],
+         "--step-ms", str(args.step_ms), "--consumer", args.consumer,
+         "--pin-ms", str(args.pin_ms)],
         desc="fixed-step training")
+    pinning = f", pinned copies +{args.pin_ms:g} ms" if args.pin_ms else ""
     print(f"\nA {args.step_ms:g} ms {args.consumer} step on Ultralytics' loader: {root.name}, "
           f"imgsz {args.imgsz}, batch {args.batch_size}, {args.batches} batches an epoch, "
-          f"{args.workers} workers; medians of {args.repeats} runs × {args.epochs} timed "
-          f"epochs; load average {os.getloadavg()[0]:.1f} at the end\n")
+          f"{args.workers} workers{pinning}; medians of {args.repeats} runs × {args.epochs} "
+          f"timed epochs; load average {os.getloadavg()[0]:.1f} at the end\n")
     print("| loader | waiting | worst wait | first wait | FastLoader's ms per batch, workers "
           "busy |\n|---|---|---|---|---|")
     for config, epochs in results.items():
