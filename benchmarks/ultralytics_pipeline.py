@@ -260,9 +260,9 @@ def profile_samples(root: Path, imgsz: int, samples: int = 320) -> str:
     from ultralytics.utils import DEFAULT_CFG
 
     import fastfeed.ultralytics
-    from fastfeed.ultralytics.collate import SlotCollate
     from fastfeed.ultralytics.gpu_augment import defer_pixel_ops
-    from fastfeed.ultralytics.loader import prepare_worker
+    from fastfeed.ultralytics.infinite_loader import prepare_worker
+    from fastfeed.ultralytics.slot_collate import SlotCollate
 
     variants = {"stock": (None, False), "patch()": ({}, False),
                 "fast_decode": ({"fast_decode": True}, False),

@@ -1,5 +1,5 @@
 """Hugging Face Accelerate's ``prepare()`` with FastLoader, under
-:func:`fastfeed.integrations.accelerate.patch`, side by side with the stock loader."""
+:func:`fastfeed.integrations.hf_accelerate.patch`, side by side with the stock loader."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from helpers import assert_same, run_epochs
 from sample_datasets import TensorDataset
 from torch.utils.data import DataLoader
 
-import fastfeed.integrations.accelerate as fastfeed_accelerate
+import fastfeed.integrations.hf_accelerate as fastfeed_accelerate
 from fastfeed import FastLoader
 
 pytestmark = [pytest.mark.clients, pytest.mark.timeout(120)]

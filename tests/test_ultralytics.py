@@ -155,7 +155,7 @@ def test_images_gathered_into_the_slot_equal_stock(yolo_root, mode, channels):
     """Format hands over its (mirrored) HWC view and channel order; SlotCollate gathers them
     transposed into one tensor: the stock batch, byte for byte, with the same random draws
     (grey images too, where Format still draws but never reverses)."""
-    from fastfeed.ultralytics.collate import FormattedImage, SlotCollate, format_into_slot
+    from fastfeed.ultralytics.slot_collate import FormattedImage, SlotCollate, format_into_slot
 
     batches = []
     for prepared in (False, True):
@@ -947,8 +947,8 @@ def test_lazy_mosaic_gives_stock_samples(yolo_root, scale):
     out (most of the canvas read) and far in."""
     from ultralytics.data.augment import Mosaic
 
-    from fastfeed.ultralytics.collate import SlotCollate, flatten
-    from fastfeed.ultralytics.loader import prepare_worker
+    from fastfeed.ultralytics.infinite_loader import prepare_worker
+    from fastfeed.ultralytics.slot_collate import SlotCollate, flatten
 
     batches = []
     for patched in (False, True):

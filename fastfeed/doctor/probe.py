@@ -29,6 +29,7 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
+from fastfeed._patching import Swaps
 from fastfeed.doctor.gpu_waits import GpuWaits
 from fastfeed.telemetry import batch_length
 
@@ -132,7 +133,7 @@ class Probe:
         self._by_loader: weakref.WeakKeyDictionary[DataLoader, LoaderTrace] = (
             weakref.WeakKeyDictionary())
         self._iter_wrappers: dict[type, Callable[..., Any]] = {}
-        self._originals: list[tuple[type, str, Any]] = []
+        self._swaps = Swaps()
         self._local = threading.local()
         self._deliveries = 0
 
@@ -151,7 +152,7 @@ class Probe:
             original_init(loader, *args, **kwargs)
             probe._wrap_classes(type(loader))
 
-        self._replace(DataLoader, "__init__", __init__)
+        self._swaps.set(DataLoader, "__init__", __init__)
         stack: list[type] = [DataLoader]
         while stack:  # classes imported before the script: FastLoader, at least
             cls = stack.pop()
@@ -160,21 +161,15 @@ class Probe:
 
     def uninstall(self) -> None:
         """Give every wrapped class its own methods back."""
-        for cls, name, original in reversed(self._originals):
-            setattr(cls, name, original)
-        self._originals.clear()
+        self._swaps.undo()
         self._iter_wrappers.clear()
-
-    def _replace(self, cls: type, name: str, value: Any) -> None:
-        self._originals.append((cls, name, cls.__dict__[name]))
-        setattr(cls, name, value)
 
     def _wrap_classes(self, loader_class: type) -> None:
         for cls in loader_class.__mro__:
             if (issubclass(cls, DataLoader) and "__iter__" in cls.__dict__
                     and cls not in self._iter_wrappers):
                 self._iter_wrappers[cls] = self._timed_iter(cls, cls.__dict__["__iter__"])
-                self._replace(cls, "__iter__", self._iter_wrappers[cls])
+                self._swaps.set(cls, "__iter__", self._iter_wrappers[cls])
 
     def _timed_iter(self, cls: type, original: Callable[[DataLoader], Any]
                     ) -> Callable[[DataLoader], Any]:

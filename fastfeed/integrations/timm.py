@@ -23,19 +23,15 @@ timm is optional, and imported by :func:`patch`, never by ``import fastfeed``.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from functools import partial
 from typing import Any
 
 import torch
 
-from fastfeed.integrations._patching import Overlay, Swaps, check_options
+from fastfeed._patching import Overlay, Patch, Swaps
 from fastfeed.loader import FastLoader
 
 __all__ = ["is_patched", "patch", "patched", "unpatch"]
-
-_swaps = Swaps()
 
 
 def patch(**fastloader_options: Any) -> None:
@@ -51,33 +47,20 @@ def patch(**fastloader_options: Any) -> None:
         ImportError: timm is not installed.
         TypeError: an option is not a FastLoader-only keyword.
     """
-    check_options(fastloader_options)
+    _patch.patch(**fastloader_options)
+
+
+def _swap_loaders(swaps: Swaps, fastloader_options: dict[str, Any]) -> None:
     from timm.data import loader as timm_loader
 
     from fastfeed.integrations._timm_loaders import MultiEpochsFastLoader
 
     fast = partial(FastLoader, **fastloader_options)
     data = Overlay(torch.utils.data, DataLoader=fast)
-    _swaps.set(timm_loader, "torch", Overlay(torch, utils=Overlay(torch.utils, data=data)))
-    _swaps.set(timm_loader, "MultiEpochsDataLoader",
-               partial(MultiEpochsFastLoader, **fastloader_options))
+    swaps.set(timm_loader, "torch", Overlay(torch, utils=Overlay(torch.utils, data=data)))
+    swaps.set(timm_loader, "MultiEpochsDataLoader",
+              partial(MultiEpochsFastLoader, **fastloader_options))
 
 
-def unpatch() -> None:
-    """Give timm back its own loader classes."""
-    _swaps.restore()
-
-
-def is_patched() -> bool:
-    """Whether :func:`patch` is in effect."""
-    return bool(_swaps)
-
-
-@contextlib.contextmanager
-def patched(**fastloader_options: Any) -> Iterator[None]:
-    """:func:`patch` for the duration of a ``with`` block, then :func:`unpatch`."""
-    patch(**fastloader_options)
-    try:
-        yield
-    finally:
-        unpatch()
+_patch = Patch(_swap_loaders)
+unpatch, is_patched, patched = _patch.unpatch, _patch.is_patched, _patch.patched

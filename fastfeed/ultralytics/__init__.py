@@ -31,17 +31,14 @@ from pathlib import Path
 from typing import Any
 
 from fastfeed._imports import importable
+from fastfeed._patching import Swaps, check_fastloader_options
 from fastfeed.device import check_device
-from fastfeed.loader import OWN_OPTIONS
 from fastfeed.ultralytics import shared_cache
-from fastfeed.ultralytics.loader import InfiniteFastLoader
+from fastfeed.ultralytics.infinite_loader import InfiniteFastLoader
 
 __all__ = ["InfiniteFastLoader", "PatchInWorkers", "is_patched", "patch", "unpatch"]
 
-# FastLoader keywords that DataLoader does not have: Ultralytics never passes them.
-FASTLOADER_OPTIONS = frozenset(OWN_OPTIONS)
-
-_originals: dict[str, Any] = {}
+_swaps = Swaps()
 
 
 def patch(fast_decode: bool = False, augment_device: str | None = None,
@@ -96,17 +93,8 @@ def patch(fast_decode: bool = False, augment_device: str | None = None,
     if not importable("ultralytics"):
         raise ImportError("fastfeed.ultralytics.patch() needs Ultralytics: "
                           "pip install 'fastfeed[ultralytics]'")
-    unknown = sorted(set(fastloader_options) - FASTLOADER_OPTIONS)
-    if unknown:
-        raise TypeError(f"patch() got {unknown}, which are not FastLoader options; "
-                        f"it takes {sorted(FASTLOADER_OPTIONS)}")
-    if augment_device is not None:
-        if fastloader_options.get("worker_mode", "process") != "process":
-            raise ValueError("augment_device needs worker processes: each records its own "
-                             "samples' parameters (worker_mode='process')")
-        if "device" in fastloader_options or "gpu_transform" in fastloader_options:
-            raise ValueError("augment_device sets the loader's device and gpu_transform")
-        check_device(augment_device)  # now, rather than when training builds its loaders
+    check_fastloader_options(fastloader_options)
+    _check_augment_device(augment_device, fastloader_options)
     if cache not in (None, "shared"):
         raise ValueError(f"cache must be None or 'shared', got {cache!r}")
     if cache == "shared" and not shared_cache.available():
@@ -114,6 +102,37 @@ def patch(fast_decode: bool = False, augment_device: str | None = None,
                       "cache='shared' is off, and cache='ram' stays Ultralytics' own",
                       RuntimeWarning, stacklevel=2)
         cache = None
+    _swap_ultralytics(fast_decode, augment_device, cache, cache_budget_gib, fastloader_options)
+
+
+def unpatch() -> None:
+    """Give Ultralytics back its own loader, image reader and cache, label copy, mosaic, warp
+    and HSV."""
+    _swaps.undo()
+
+
+def is_patched() -> bool:
+    """Whether :func:`patch` is in effect."""
+    return bool(_swaps)
+
+
+def _check_augment_device(augment_device: str | None, fastloader_options: dict[str, Any]
+                          ) -> None:
+    if augment_device is None:
+        return
+    if fastloader_options.get("worker_mode", "process") != "process":
+        raise ValueError("augment_device needs worker processes: each records its own "
+                         "samples' parameters (worker_mode='process')")
+    if "device" in fastloader_options or "gpu_transform" in fastloader_options:
+        raise ValueError("augment_device sets the loader's device and gpu_transform")
+    check_device(augment_device)  # now, rather than when training builds its loaders
+
+
+def _swap_ultralytics(fast_decode: bool, augment_device: str | None, cache: str | None,
+                      cache_budget_gib: float | None, fastloader_options: dict[str, Any]
+                      ) -> None:
+    """Replace, in :data:`_swaps`, what :func:`patch` changes in Ultralytics; each replacement
+    is made from Ultralytics' own attribute, so a second call starts again from it."""
     from ultralytics.data import augment, base, build
     from ultralytics.utils import dist
 
@@ -123,65 +142,38 @@ def patch(fast_decode: bool = False, augment_device: str | None = None,
     from fastfeed.ultralytics.mosaic import lazy_mosaic
     from fastfeed.ultralytics.warp import exact_warp
 
-    _originals.setdefault("InfiniteDataLoader", build.InfiniteDataLoader)
-    _originals.setdefault("load_image", base.BaseDataset.load_image)
-    _originals.setdefault("generate_ddp_file", dist.generate_ddp_file)
-    _originals.setdefault("cache_images", base.BaseDataset.cache_images)
-    _originals.setdefault("check_cache_ram", base.BaseDataset.check_cache_ram)
+    shared = cache == "shared"
+    arguments = {"fast_decode": fast_decode, "augment_device": augment_device, "cache": cache,
+                 "cache_budget_gib": cache_budget_gib, **fastloader_options}
+
+    def load_image(original: Callable[..., Any]) -> Callable[..., Any]:
+        if fast_decode:
+            original = reduced_load_image(original)
+        return shared_cache.shared_load_image(original) if shared else original
+
+    def cache_images(original: Callable[..., Any]) -> Callable[..., Any]:
+        if not shared:
+            return original
+        return shared_cache.shared_cache_images(original, cache_budget_gib,
+                                                "reduced" if fast_decode else "full")
+
+    def check_cache_ram(original: Callable[..., Any]) -> Callable[..., Any]:
+        return shared_cache.shared_check_cache_ram(original) if shared else original
+
+    _swaps.set(build, "InfiniteDataLoader", type(
+        InfiniteFastLoader.__name__, (InfiniteFastLoader,),
+        {"fastloader_options": dict(fastloader_options), "augment_device": augment_device,
+         "__module__": __name__}))
+    _swaps.wrap(base.BaseDataset, "load_image", load_image)
+    _swaps.wrap(base.BaseDataset, "cache_images", cache_images)
+    _swaps.wrap(base.BaseDataset, "check_cache_ram", check_cache_ram)
+    _swaps.set(base, "deepcopy", copy_labels)  # get_image_and_label's copy of labels
+    _swaps.wrap(dist, "generate_ddp_file",
+                lambda original: _patching_ddp_workers(original, arguments))
     if "apply_image" in vars(augment.RandomPerspective):  # its warp since Ultralytics 8.4
-        _originals.setdefault("warp", augment.RandomPerspective.apply_image)
-        augment.RandomPerspective.apply_image = exact_warp(_originals["warp"])
-        _originals.setdefault("mosaic", augment.Mosaic.apply_image)
-        augment.Mosaic.apply_image = lazy_mosaic(_originals["mosaic"])
-    _originals.setdefault("hsv", augment.RandomHSV.apply_image)
-    augment.RandomHSV.apply_image = exact_hsv(_originals["hsv"])
-    _originals.setdefault("deepcopy", base.deepcopy)  # get_image_and_label's copy of labels
-    base.deepcopy = copy_labels
-    dist.generate_ddp_file = _patching_ddp_workers(
-        _originals["generate_ddp_file"],
-        {"fast_decode": fast_decode, "augment_device": augment_device, "cache": cache,
-         "cache_budget_gib": cache_budget_gib, **fastloader_options})
-    build.InfiniteDataLoader = type(InfiniteFastLoader.__name__, (InfiniteFastLoader,),
-                                    {"fastloader_options": dict(fastloader_options),
-                                     "augment_device": augment_device,
-                                     "__module__": __name__})
-    load_image = _originals["load_image"]
-    if fast_decode:
-        load_image = reduced_load_image(load_image)
-    base.BaseDataset.cache_images = _originals["cache_images"]
-    base.BaseDataset.check_cache_ram = _originals["check_cache_ram"]
-    if cache == "shared":
-        load_image = shared_cache.shared_load_image(load_image)
-        base.BaseDataset.cache_images = shared_cache.shared_cache_images(
-            _originals["cache_images"], cache_budget_gib, "reduced" if fast_decode else "full")
-        base.BaseDataset.check_cache_ram = shared_cache.shared_check_cache_ram(
-            _originals["check_cache_ram"])
-    base.BaseDataset.load_image = load_image
-
-
-def unpatch() -> None:
-    """Give Ultralytics back its own loader, image reader and cache, label copy, mosaic, warp
-    and HSV."""
-    if not _originals:
-        return
-    from ultralytics.data import augment, base, build
-    from ultralytics.utils import dist
-
-    build.InfiniteDataLoader = _originals.pop("InfiniteDataLoader")
-    base.BaseDataset.load_image = _originals.pop("load_image")
-    dist.generate_ddp_file = _originals.pop("generate_ddp_file")
-    base.BaseDataset.cache_images = _originals.pop("cache_images")
-    base.BaseDataset.check_cache_ram = _originals.pop("check_cache_ram")
-    if "warp" in _originals:
-        augment.RandomPerspective.apply_image = _originals.pop("warp")
-        augment.Mosaic.apply_image = _originals.pop("mosaic")
-    augment.RandomHSV.apply_image = _originals.pop("hsv")
-    base.deepcopy = _originals.pop("deepcopy")
-
-
-def is_patched() -> bool:
-    """Whether :func:`patch` is in effect."""
-    return bool(_originals)
+        _swaps.wrap(augment.RandomPerspective, "apply_image", exact_warp)
+        _swaps.wrap(augment.Mosaic, "apply_image", lazy_mosaic)
+    _swaps.wrap(augment.RandomHSV, "apply_image", exact_hsv)
 
 
 class PatchInWorkers:

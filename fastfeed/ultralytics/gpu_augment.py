@@ -25,10 +25,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from fastfeed.ultralytics.collate import Empty, SlotCollate, flatten
 from fastfeed.ultralytics.format import draws_reverse
 from fastfeed.ultralytics.hsv import draw_lut
 from fastfeed.ultralytics.pixel_ops import hsv_lookup, source_region, warp_regions
+from fastfeed.ultralytics.slot_collate import Empty, SlotCollate, flatten
 from fastfeed.ultralytics.warp import BORDER
 
 __all__ = [

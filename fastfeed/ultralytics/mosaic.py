@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from fastfeed.ultralytics.collate import flatten
+from fastfeed.ultralytics.slot_collate import flatten
 
 __all__ = ["PendingCanvas", "defer_canvases", "lazy_mosaic", "pending_canvas"]
 

@@ -81,10 +81,10 @@ def _with_slot_images(dataset: Any, options: dict[str, Any], augment_device: str
                       ) -> dict[str, Any]:
     """``options`` whose collate gathers the images into the ring slot, and, with
     ``augment_device``, whose workers leave the pixel work to that device where it qualifies."""
-    from fastfeed.ultralytics import collate, gpu_augment
+    from fastfeed.ultralytics import gpu_augment, slot_collate
 
     collate_fn, init = options.get("collate_fn"), options.get("worker_init_fn")
-    if collate_fn is None or not collate.gathers_images(dataset, collate_fn):
+    if collate_fn is None or not slot_collate.gathers_images(dataset, collate_fn):
         return options
     if augment_device is not None:
         reason = gpu_augment.unsupported_reason(dataset)
@@ -93,19 +93,19 @@ def _with_slot_images(dataset: Any, options: dict[str, Any], augment_device: str
         if reason is None:
             return {**options, "device": augment_device,
                     "gpu_transform": gpu_augment.PixelOps(),
-                    "worker_init_fn": collate.InWorkers(gpu_augment.defer_pixel_ops, init),
+                    "worker_init_fn": slot_collate.InWorkers(gpu_augment.defer_pixel_ops, init),
                     "collate_fn": gpu_augment.CanvasCollate(collate_fn)}
         if getattr(dataset, "augment", False):  # validation loaders are expected to stay put
             warnings.warn(f"fastfeed: Ultralytics' augmentation stays on the CPU: {reason}",
                           RuntimeWarning, stacklevel=3)
-    return {**options, "worker_init_fn": collate.InWorkers(prepare_worker, init),
-            "collate_fn": collate.SlotCollate(collate_fn)}
+    return {**options, "worker_init_fn": slot_collate.InWorkers(prepare_worker, init),
+            "collate_fn": slot_collate.SlotCollate(collate_fn)}
 
 
 def prepare_worker(dataset: Any) -> None:
     """In a worker: ``Format`` hands its images to the slot collate, and mosaics that go
     straight to the warp are laid out only where it reads them."""
-    from fastfeed.ultralytics import collate, mosaic
+    from fastfeed.ultralytics import mosaic, slot_collate
 
-    collate.format_into_slot(dataset)
+    slot_collate.format_into_slot(dataset)
     mosaic.defer_canvases(dataset)
