@@ -313,80 +313,6 @@ def profile_samples(root: Path, imgsz: int, samples: int = 320) -> str:
     return "\n".join(lines)
 
 
-def device_ops_ms(device: str, imgsz: int, batch_size: int, repeats: int = 20) -> str:
-    """Milliseconds per batch of the pixel ops ``augment_device`` runs (warp, HSV, channel order
-    and layout) on ``device``, on the parts of mosaic canvases (2·imgsz square) that the warps
-    read, with their host-to-device copy from page-locked memory on CUDA."""
-    import torch
-
-    from fastfeed.ultralytics.gpu_augment import (
-        HSV_FLAG,
-        LUT_KEY,
-        PARAM_COLUMNS,
-        PARAMS_KEY,
-        REGION_KEY,
-        REVERSE_FLAG,
-        SIZE_KEY,
-        PixelOps,
-    )
-    from fastfeed.ultralytics.pixel_ops import source_region
-
-    g = torch.Generator().manual_seed(0)
-    canvas = torch.randint(0, 256, (2 * imgsz, 2 * imgsz, 3), dtype=torch.uint8, generator=g)
-    angle = (torch.rand(batch_size, generator=g) - 0.5) * 0.2
-    scale = 0.5 + torch.rand(batch_size, generator=g)
-    params = torch.zeros(batch_size, PARAM_COLUMNS, dtype=torch.float64)
-    params[:, 0], params[:, 1] = scale * angle.cos(), -scale * angle.sin()
-    params[:, 3], params[:, 4] = scale * angle.sin(), scale * angle.cos()
-    params[:, 2] = params[:, 5] = -imgsz * scale + imgsz / 2  # the canvas centre to the output's
-    params[:, HSV_FLAG] = params[:, REVERSE_FLAG] = 1
-    luts = torch.randint(0, 256, (batch_size, 3, 256), dtype=torch.uint8, generator=g)
-    luts[:, 0] %= 180
-    parts, regions, first = [], [], 0
-    for matrix in params[:, :6].view(-1, 2, 3).numpy():
-        left, top, right, bottom = source_region(np.vstack([matrix, [0, 0, 1]]), (imgsz, imgsz),
-                                                 2 * imgsz, 2 * imgsz)
-        parts.append(canvas[top:bottom, left:right].reshape(-1, 3))
-        regions.append([first, bottom - top, right - left, left, top])
-        first += len(parts[-1])
-    packed, region_tensor = torch.cat(parts), torch.tensor(regions)
-    ops = PixelOps(truncate_hsv=True)  # no OpenCV needed to time the ops
-    cuda = device.startswith("cuda")
-    host = packed.pin_memory() if cuda else packed
-
-    def once() -> None:
-        batch = {"img": host.to(device, non_blocking=True), PARAMS_KEY: params.to(device),
-                 LUT_KEY: luts.to(device), REGION_KEY: region_tensor.to(device),
-                 SIZE_KEY: (imgsz, imgsz)}
-        ops(batch)
-
-    once()
-    times = []
-    for _ in range(repeats):
-        if cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        once()
-        if cuda:
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) * 1e3)
-    copy = []
-    if cuda:
-        for _ in range(repeats):
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            host.to(device, non_blocking=True)
-            torch.cuda.synchronize()
-            copy.append((time.perf_counter() - start) * 1e3)
-    name = torch.cuda.get_device_name() if cuda else "cpu (torch ops, one process)"
-    line = (f"pixel ops on {name}: batch {batch_size} of {2 * imgsz}² canvases -> {imgsz}² "
-            f"({packed.numel() / canvas.numel() / batch_size:.0%} of each canvas read): "
-            f"{np.median(times):.2f} ms per batch (median of {repeats})")
-    if copy:
-        line += f", of which the H2D copy {np.median(copy):.2f} ms"
-    return line
-
-
 def main() -> None:
     parser = pipeline_parser(__doc__, CONFIGS, batch_size=16)
     parser.add_argument("--data", type=Path, default=None,
@@ -403,6 +329,8 @@ def main() -> None:
                         help="Ultralytics' image cache: 'ram' decodes every image once, up front")
     args = parser.parse_args()
     if args.ops_device:
+        from benchmarks.pixel_ops_timing import device_ops_ms
+
         print(device_ops_ms(args.ops_device, args.imgsz, args.batch_size))
         return
 

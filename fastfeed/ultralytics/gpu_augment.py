@@ -19,6 +19,7 @@ Albumentations); :func:`unsupported_reason` names what stops any other.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -40,6 +41,7 @@ __all__ = [
 PARAMS_KEY = "fastfeed_pixel_params"
 HSV_FLAG, REVERSE_FLAG, FLIP_LR_FLAG, FLIP_UD_FLAG = 6, 7, 8, 9
 PARAM_COLUMNS = 10
+_FLAG_COLUMNS = (HSV_FLAG, REVERSE_FLAG, FLIP_LR_FLAG, FLIP_UD_FLAG)
 LUT_KEY = "fastfeed_hsv_lut"
 # Per sample: its part of the canvas (height, width, left, top); per batch, each row led by
 # the index of the part's first pixel in the packed pixels (see pixel_ops.warp_regions).
@@ -207,27 +209,72 @@ class PixelOps:
     images Ultralytics' ``Format`` would have produced, on the batch's device. A batch without
     recorded parameters passes through.
 
+    On a CUDA device the whole batch is one Triton kernel launch
+    (:mod:`fastfeed.ultralytics.pixel_kernel`); elsewhere, or without Triton, the torch ops of
+    :mod:`fastfeed.ultralytics.pixel_ops` (some 470 launches a batch on a GPU), which are also
+    the reference the kernel is tested against. Both compute OpenCV's arithmetic step for
+    step. Neither reads a device value back: the host only queues work on the loader's copy
+    stream.
+
     Args:
         truncate_hsv (bool): HSV→BGR truncates as OpenCV 5 does (else rounds, as OpenCV 4).
             Default: this process's OpenCV (:func:`opencv_hsv_truncates`).
+        fused (bool, optional): ``None`` (default): the kernel on CUDA devices where Triton
+            imports and builds it, else the torch ops (with a warning where the kernel failed
+            to build); decided at the first batch, and kept. ``True``: the kernel, on any
+            device (on the CPU under ``TRITON_INTERPRET=1``: tests), or an error. ``False``:
+            the torch ops.
     """
 
-    def __init__(self, truncate_hsv: bool | None = None) -> None:
+    # Queueing the work costs host time (one Triton launch, or the torch ops' hundreds), so
+    # FastLoader runs this transform, with the batch's copy, on its helper thread, as it runs
+    # the nvjpeg decode: the training thread only picks up batches already queued.
+    blocks_host = True
+
+    def __init__(self, truncate_hsv: bool | None = None, fused: bool | None = None) -> None:
         self.truncate_hsv = opencv_hsv_truncates() if truncate_hsv is None else truncate_hsv
+        self.fused = fused
 
     def __call__(self, batch: dict) -> dict:
         if PARAMS_KEY not in batch:
             return batch
         params, luts = batch.pop(PARAMS_KEY), batch.pop(LUT_KEY)
         regions, size = batch.pop(REGION_KEY), batch.pop(SIZE_KEY)
-        # Nothing here reads device values back: the host only enqueues work on the stream.
-        images = warp_regions(batch["img"], regions, params[:, :6].view(-1, 2, 3), size, BORDER)
+        pixels = batch["img"]
+        kernel = self._kernel(pixels.device)
+        if kernel is not None:
+            try:
+                batch["img"] = kernel(pixels, regions, params, luts, size, BORDER,
+                                      self.truncate_hsv, _FLAG_COLUMNS)
+                self.fused = True  # it builds here: from now on, any error is one
+                return batch
+            except Exception as error:  # Triton's compiler and launcher raise many kinds
+                if self.fused:
+                    raise
+                warnings.warn(f"fastfeed: augment_device's Triton kernel failed to build "
+                              f"({type(error).__name__}: {error}); using torch ops, some 470 "
+                              "launches a batch", RuntimeWarning, stacklevel=2)
+                self.fused = False
+        images = warp_regions(pixels, regions, params[:, :6].view(-1, 2, 3), size, BORDER)
         images = hsv_lookup(images, luts, params[:, HSV_FLAG] > 0, self.truncate_hsv)
         images = _flipped_where(images, params[:, FLIP_LR_FLAG], 2)  # np.fliplr of H×W×C
         images = _flipped_where(images, params[:, FLIP_UD_FLAG], 1)
         chw = images.permute(0, 3, 1, 2)
         batch["img"] = _flipped_where(chw, params[:, REVERSE_FLAG], 1).contiguous()
         return batch
+
+    def _kernel(self, device: torch.device) -> Callable[..., torch.Tensor] | None:
+        """The fused kernel's launcher where this call should use it, else ``None``."""
+        if self.fused is False or (self.fused is None and device.type != "cuda"):
+            return None
+        try:
+            from fastfeed.ultralytics.pixel_kernel import apply_pixel_ops
+        except ImportError:
+            if self.fused:
+                raise
+            self.fused = False  # no Triton here (a CPU-only or Windows build of torch)
+            return None
+        return apply_pixel_ops
 
 
 def _flipped_where(images: torch.Tensor, flags: torch.Tensor, dim: int) -> torch.Tensor:

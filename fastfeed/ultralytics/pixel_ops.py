@@ -2,8 +2,11 @@
 
 The random perspective warp (``cv2.warpAffine``, bilinear, border 114) and the HSV jitter
 (``cv2.cvtColor`` to HSV, one 3-channel ``cv2.LUT``, back to BGR) are the costly per-pixel steps of
-Ultralytics' training augmentation. Here they take a whole batch at once, so that they can run
-on the GPU; on the CPU the same code is the reference they are tested with against OpenCV.
+Ultralytics' training augmentation. Here they take a whole batch at once, as torch ops on any
+device: on the CPU the reference, tested against OpenCV; on a GPU the route where Triton is
+missing. With Triton, ``augment_device`` runs the same arithmetic as one fused kernel a batch
+(:mod:`fastfeed.ultralytics.pixel_kernel`), tested against these ops: here each elementwise step
+is a launch that reads and writes full-size temporaries, some 470 kernels a batch on a GPU.
 
 The arithmetic is OpenCV's, step for step, rather than a generic resampler's. The warp inverts
 the map in float64 and computes coordinates and interpolation in float32 with the fused
@@ -250,7 +253,9 @@ def _sectors(device: torch.device) -> torch.Tensor:
 def hsv_to_bgr(hsv: torch.Tensor, truncate: bool = True) -> torch.Tensor:
     """``cv2.cvtColor(hsv, cv2.COLOR_HSV2BGR)`` for uint8 ``…×3`` HSV with H in [0, 180).
 
-    ``truncate``: OpenCV 5 truncates the float result to uint8, OpenCV 4 rounds it.
+    ``truncate``: OpenCV 5 truncates the float result to uint8, OpenCV 4 rounds it. (The OpenCV
+    5.0 tested here truncates in its vector loop only: it rounds the last ``width % 32`` pixels
+    of each row. Ultralytics' image sizes are multiples of 32.)
     """
     h, s, v = hsv.to(torch.float32).unbind(-1)
     s, v = s * (1.0 / 255.0), v * (1.0 / 255.0)
