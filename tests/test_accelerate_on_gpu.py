@@ -17,7 +17,7 @@ import torch
 
 pytestmark = pytest.mark.clients
 try:
-    import torchvision  # noqa: F401
+    import torchvision
 except Exception as error:  # missing, or built for another torch (a RuntimeError)
     pytest.skip(f"needs torchvision: {error}", allow_module_level=True)
 from PIL import Image  # noqa: E402
@@ -35,7 +35,8 @@ from fastfeed.vision.accelerate import (  # noqa: E402
     accelerate,
     pixel_affine,
 )
-from fastfeed.vision.resample import UINT8  # noqa: E402
+from fastfeed.vision.gpu_decode import encoded_collate  # noqa: E402
+from fastfeed.vision.resample import UINT8, resize_crops  # noqa: E402
 from fastfeed.vision.synthetic import make_image  # noqa: E402
 
 ON_GPU = ["v1-train", "v2-train", "v1-eval", "v2-eval", "v1-uint8", "v1-nested",
@@ -257,3 +258,45 @@ def test_timm_transforms_with_an_elementwise_tail(root, gpu, decoder):
         got, fast_python, fast_state = epoch(FastLoader, fast, device="cuda")
         assert fast_python == python and torch.equal(fast_state, state)
         assert_close_to_stock(expected, read(gpu, got), transform)
+
+
+# -- on a GPU ---------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_batches_are_stocks_but_for_the_decode(root):
+    """nvJPEG decodes, the batched resize runs on the copy stream: labels exact, pixels within
+    a few grey levels of Pillow's (nvJPEG's chroma upsampling and IDCT differ from libjpeg's),
+    over two epochs with a busy consumer."""
+    transform = PIPELINES["v1-train"]()
+    stock = datasets.ImageFolder(str(root), transform=transform)
+    kwargs = {"batch_size": 5, "shuffle": True, "num_workers": 2, "persistent_workers": True}
+    expected = DataLoader(stock, generator=torch.Generator().manual_seed(3), **kwargs)
+    loader = FastLoader(on_gpu(stock), generator=torch.Generator().manual_seed(3),
+                        device="cuda", **kwargs)
+    busy = torch.randn(2048, 2048, device="cuda")
+    for _ in range(2):
+        got = []
+        for images, targets in loader:
+            busy = busy @ busy / 2048  # the consumer's stream runs while later batches decode
+            got.append([images.clone(), targets])
+        torch.cuda.synchronize()
+        assert_close_to_stock(list(expected), [[i.cpu(), t.cpu()] for i, t in got], transform,
+                              mean=3.0, worst=255.0)
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_resize_never_syncs(root):
+    stock = datasets.ImageFolder(str(root), transform=PIPELINES["v1-train"]())
+    fast = on_gpu(stock)
+    crops = fast.transform.split_batch_tail(fast).dataset
+    batch = encoded_collate([crops[i] for i in range(8)])[0]
+    decoded = torchvision.io.decode_jpeg(
+        [torch.from_numpy(data) for data in batch["encoded"]], device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        images = resize_crops(decoded, batch["geometry"][batch["order"] >= 0],
+                              fast.transform.affine)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert images.is_cuda and images.dtype == torch.float32

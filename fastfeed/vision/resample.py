@@ -82,37 +82,42 @@ UINT8_AFFINE = ((1.0, 1.0, 1.0), (0.0, 0.0, 0.0))
 UINT8 = PixelAffine()
 
 
-def _filter(x: np.ndarray, bicubic: np.ndarray) -> np.ndarray:
-    """torch's (and Pillow's) antialiasing filters: the triangle, or Keys' cubic with
-    a = -0.5."""
-    x = np.abs(x)
-    a = -0.5
-    cubic = np.where(x < 1, ((a + 2) * x - (a + 3)) * x * x + 1,
-                     np.where(x < 2, ((a * x - 5 * a) * x + 8 * a) * x - 4 * a, 0.0))
-    return np.where(bicubic, cubic, np.maximum(0.0, 1.0 - x))
+def _filter(distance: np.ndarray, bicubic: np.ndarray) -> np.ndarray:
+    """torch's (and Pillow's) antialiasing filters at ``distance`` (``(B, out, K)``, in
+    filter units, non-negative): the triangle, or Keys' cubic (a = -0.5) where ``bicubic``."""
+    weights = np.maximum(1 - distance, 0)
+    if bicubic.any():
+        x, a = distance[bicubic], -0.5
+        weights[bicubic] = np.where(x < 1, ((a + 2) * x - (a + 3)) * x * x + 1,
+                                    np.where(x < 2, ((a * x - 5 * a) * x + 8 * a) * x - 4 * a,
+                                             0))
+    return weights
 
 
 def _taps(start: np.ndarray, length: np.ndarray, out: int, low: np.ndarray,
           high: np.ndarray, bicubic: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Source indices ``(B, out, K)`` and weights of one axis, torch's antialiased
+    """Source indices ``(B, out, K)`` and weights of one axis: torch's antialiased
     interpolate of the region ``[low, high)`` at the window's sampling positions (Pillow's
     ``resize(box=...)``). Rows have K taps at most; shorter ones are padded with weight 0 on
-    their last index."""
+    their last index, so that indices never decrease along a row."""
     scale = length / out
     stretch = np.maximum(scale, 1.0)
     support = np.where(bicubic, 2.0, 1.0) * stretch
     center = (start - low)[:, None] + (np.arange(out) + 0.5) * scale[:, None]
-    size = (high - low)[:, None]
     first = np.maximum((center - support[:, None] + 0.5).astype(np.int64), 0)
-    count = np.maximum(np.minimum((center + support[:, None] + 0.5).astype(np.int64), size)
-                       - first, 1)
-    k = np.arange(int(count.max()))
-    index = first[..., None] + k
-    used = k < count[..., None]
-    weights = np.where(used, _filter((index - center[..., None] + 0.5) / stretch[:, None, None],
-                                     bicubic[:, None, None]), 0.0)
-    weights /= weights.sum(-1, keepdims=True)
-    index = np.where(used, index, (first + count - 1)[..., None]) + low[:, None, None]
+    last = np.maximum(np.minimum((center + support[:, None] + 0.5).astype(np.int64),
+                                 (high - low)[:, None]) - 1, first)
+    k = np.arange(int((last - first).max()) + 1)
+    # Each tap's distance from its centre in filter units; float32 is ample for weights.
+    offset = ((first - center + 0.5) / stretch[:, None]).astype(np.float32)
+    distance = np.abs(offset[..., None] + (k / stretch[:, None, None]).astype(np.float32))
+    weights = _filter(distance, bicubic)
+    weights *= k <= (last - first)[..., None]
+    total = weights.sum(-1, keepdims=True)
+    weights /= np.where(total > 0, total, 1)  # as torch: a window outside its region is 0
+    # int32: image coordinates (the packed offsets, in int64, are made from them)
+    index = np.minimum((first + low[:, None]).astype(np.int32)[..., None] + k.astype(np.int32),
+                       (last + low[:, None]).astype(np.int32)[..., None])
     return index, weights
 
 
@@ -132,23 +137,25 @@ class _Tables:
         right = np.clip(np.round(g[:, _RIGHT]), left + 1, widths).astype(np.int64)
         rows, row_w = _taps(g[:, _Y], g[:, _H], self.out_h, top, bottom, bicubic)
         cols, col_w = _taps(g[:, _X], g[:, _W], self.out_w, left, right, bicubic)
+        # The rows the vertical taps read (indices grow along each axis), each cut to the
+        # columns the horizontal taps read.
+        first_row, row_count = rows[:, 0, 0], rows[:, -1, -1] + 1 - rows[:, 0, 0]
+        first_col = cols[:, 0, 0].copy()  # not a view: the flip below reorders cols
+        self.width = int((cols[:, -1, -1] + 1 - first_col).max())
         flipped = g[:, _FLIP] > 0
         cols[flipped], col_w[flipped] = cols[flipped, ::-1], col_w[flipped, ::-1]
 
-        # The rows the vertical taps read, each cut to the columns the horizontal taps read.
-        first_row, row_count = rows.min((1, 2)), rows.max((1, 2)) + 1 - rows.min((1, 2))
-        first_col = cols.min((1, 2))
-        self.width = int((cols.max((1, 2)) + 1 - first_col).max())
         planes = heights * widths
-        image_start = np.concatenate([[0], np.cumsum(3 * planes)[:-1]])
-        table_start = np.concatenate([[0], np.cumsum(3 * row_count)[:-1]])
         self.flat_size = int(3 * planes.sum())
-        per_image = np.repeat(np.arange(len(g)), 3 * row_count)
-        position = np.arange(int(per_image.size)) - table_start[per_image]
-        channel, row = position // row_count[per_image], position % row_count[per_image]
-        self.segments = (image_start[per_image] + channel * planes[per_image]
-                         + (first_row[per_image] + row) * widths[per_image]
-                         + first_col[per_image])
+        image_start = np.cumsum(3 * planes) - 3 * planes
+        segment_start = (image_start + first_row * widths + first_col)[:, None] + (
+            np.arange(3) * planes[:, None])  # each channel's first row, (B, 3)
+        counts = np.repeat(row_count, 3)
+        ends = np.cumsum(counts)
+        row = np.arange(int(ends[-1])) - np.repeat(ends - counts, counts)
+        self.segments = (np.repeat(segment_start.ravel(), counts)
+                         + row * np.repeat(np.repeat(widths, 3), counts))
+        table_start = ends[::3] - counts[::3]  # each image's first row in the table
         self.vertical = (table_start - first_row)[:, None, None] + rows
         self.channel_rows = np.arange(3) * row_count[:, None]
         self.horizontal = (np.arange(len(g)) * self.width - first_col)[:, None, None] + cols
@@ -199,7 +206,7 @@ def resize_crops(images: Sequence[torch.Tensor], geometry: np.ndarray,
     out_h, out_w, width = tables.out_h, tables.out_w, tables.width
     taps_v, taps_h = tables.weights[0].shape[-1], tables.weights[1].shape[-1]
     # The images end to end, then room for the last segment to run past its image: those
-    # columns are never read (their weights are zero), so the room is not even written.
+    # columns are never read (their weights are zero), so the room is left uninitialised.
     packed = torch.cat([*(image.reshape(-1) for image in images),
                         torch.empty(width, dtype=torch.uint8, device=device)])
     table = packed.unfold(0, width, 1)[segments].float()

@@ -39,7 +39,7 @@ from fastfeed.vision.gpu_decode import (
 )
 from fastfeed.vision.resample import UINT8, PixelAffine, crop_geometry
 
-__all__ = ["EncodedCrops", "GpuDecodeTransform", "pixel_affine"]
+__all__ = ["CropsForGpu", "GpuDecodeTransform", "pixel_affine"]
 
 _NEEDS_CUDA = ("fastfeed.vision.accelerate(..., decode_device='cuda'): the GPU decodes this "
                "dataset's batches; give FastLoader device='cuda' (or accelerate the dataset "
@@ -81,7 +81,7 @@ def pixel_affine(plan: Plan) -> PixelAffine:
     return PixelAffine(out.dtype, tuple(scale.tolist()), tuple(offset.tolist()))
 
 
-class EncodedCrops:
+class CropsForGpu:
     """What the workers run for the GPU route: an :class:`EncodedImage` to an
     :class:`EncodedCrop`, its geometry drawn by the user's transform objects; the files nvJPEG
     cannot take, and the crops that pad, made by the CPU route (uint8, with the same draws)."""
@@ -124,7 +124,7 @@ class GpuDecodeTransform(FusedTransform):
     def split_batch_tail(self, dataset: Dataset) -> BatchTailSplit:
         """The :mod:`fastfeed.tail` hook: ``dataset`` with items that are encoded crops, and
         the GPU stage that finishes their batches; only on a device."""
-        crops = with_transform(dataset, EncodedCrops(self.original, self.plan))
+        crops = with_transform(dataset, CropsForGpu(self.original, self.plan))
         return BatchTailSplit(crops, DecodeCrops(self.affine, needs_cuda=_NEEDS_CUDA),
                               collate=None, tail_into=None, device_collate=encoded_collate,
                               needs_device=_NEEDS_CUDA)
