@@ -15,8 +15,9 @@ from nvjpeg_model import decode_with_pillow
 from PIL import Image
 
 from fastfeed import FastLoader
+from fastfeed import transforms as T
 from fastfeed.tree import map_tensors
-from fastfeed.vision import ImageFolder
+from fastfeed.vision import ImageFolder, image_loader
 from fastfeed.vision.gpu_decode import (
     DecodeCrops,
     NvjpegDecoder,
@@ -146,6 +147,28 @@ def test_decoding_a_batch_reads_no_device_value_back(tmp_path, gpu, decoder):
     assert decoder.calls == 1, "one decode call a batch"
     gpu.run()
     assert torch.equal(gpu.read(targets), batch[1])
+
+
+def test_image_loader_builds_the_backend_and_its_gpu_transform_runs_after(tmp_path, gpu,
+                                                                           decoder):
+    # With the user's gpu_transform after the decode, the decode still waits on the host
+    # only in the helper thread.
+    root = make_imagefolder(tmp_path, images=10, classes=2)
+    folder = EncodedImageFolder(root, 24, train=False)
+    loader = image_loader(root, batch_size=4, size=24, train=False, backend="nvjpeg",
+                          device="cuda", num_workers=2, gpu_transform=T.Normalize(key=0))
+    list(loader)
+    gpu.run()
+    syncs = len(gpu.syncs_in("MainThread"))
+    got = list(loader)
+    assert gpu.syncs_in("MainThread")[syncs:] == []
+    gpu.run()
+    for start, (images, targets) in zip(range(0, 10, 4), got, strict=True):
+        want = T.Normalize(key=0)([cpu_reference(folder, range(start, min(start + 4, 10)))])
+        assert torch.equal(gpu.read(images), want[0])
+        assert gpu.read(targets).tolist() == [folder.targets[i] for i in range(start,
+                                                                               start + 4)
+                                              if i < 10]
 
 
 def test_flips_and_boxes_are_the_workers_draws(tmp_path):
