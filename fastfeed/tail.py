@@ -39,15 +39,23 @@ class BatchTailSplit:
         tail: finishes a batch of ``dataset``'s items as ``default_collate`` gives them (on
             any device, without a host sync).
         collate: ``default_collate`` then ``tail``, writing its output with the slot's
-            allocator: what the workers run when there is no device.
+            allocator: what the workers run when there is no device (``None``: the tail
+            runs only on a device).
         tail_into: ``tail_into(batch, empty)``, ``tail`` writing its output with a slot's
-            allocator: what the main process runs on a batch from Ray workers as it lands it.
+            allocator: what the main process runs on a batch from Ray workers as it lands it
+            (``None``: the tail runs only on a device).
+        device_collate: what the workers collate with when the tail runs on the device
+            (``None``: the loader's ``collate_fn``).
+        needs_device: the error's message for a loader without a device, when the tail runs
+            only on one.
     """
 
     dataset: Dataset
     tail: Callable[[Any], Any]
-    collate: SlotCollate
-    tail_into: Callable[[Any, Empty], Any]
+    collate: SlotCollate | None
+    tail_into: Callable[[Any, Empty], Any] | None
+    device_collate: Callable[[list], Any] | None = None
+    needs_device: str = ""
 
 
 @dataclass(frozen=True)
@@ -63,7 +71,7 @@ class TailPlacement:
     """
 
     dataset: Dataset | None = None
-    collate_fn: SlotCollate | None = None
+    collate_fn: Callable[[list], Any] | None = None
     device_tail: Callable[[Any], Any] | None = None
     landing_tail: Callable[[Any, Empty], Any] | None = None
 
@@ -82,11 +90,17 @@ def place_tail(split: BatchTailSplit | None, on_device: bool, worker_mode: str
                ) -> TailPlacement:
     """Where ``split``'s tail runs: on the device when there is one; as Ray workers' batches
     land (they cross the object store as the split's short items collate, uint8 for images);
-    else in the workers, into the ring slot."""
+    else in the workers, into the ring slot.
+
+    Raises:
+        ValueError: the split's tail runs only on a device, and there is none.
+    """
     if split is None:
         return TailPlacement()
     if on_device:
-        return TailPlacement(split.dataset, device_tail=split.tail)
+        return TailPlacement(split.dataset, split.device_collate, device_tail=split.tail)
+    if split.collate is None or split.tail_into is None:
+        raise ValueError(split.needs_device)
     if worker_mode == "ray":
         return TailPlacement(split.dataset, landing_tail=split.tail_into)
     return TailPlacement(split.dataset, collate_fn=split.collate)

@@ -107,14 +107,19 @@ PIPELINES = {
 GREY_LEVELS = {"v2-trivialaugment": 8.0}
 
 
-@pytest.fixture(scope="module")
-def root(tmp_path_factory):
-    root = make_imagefolder(tmp_path_factory.mktemp("tv"), images=18, classes=3)
-    # A PNG and a grey JPEG: both must still match the stock pipeline.
+def sample_folder(path):
+    """ImageNet-like JPEGs in three classes, with a PNG and a grey JPEG: both must still match
+    the stock pipeline."""
+    root = make_imagefolder(path, images=18, classes=3)
     rng = random.Random(5)
     make_image(rng, 300, 220).save(root / "class_001" / "extra.png")
     make_image(rng, 260, 300).convert("L").save(root / "class_002" / "grey.jpg", quality=90)
     return root
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return sample_folder(tmp_path_factory.mktemp("tv"))
 
 
 def grey_levels(stock, fast, transform, unscaled=False):

@@ -98,3 +98,25 @@ def test_accelerate_pixels_tabulates_each_size(tmp_path):
     folder = make_imagefolder(tmp_path / "imgs", images=4, classes=1)
     out = run("accelerate_pixels.py", "--data", str(folder), "--sizes", "32,16", "--seeds", "2")
     assert "| 32 |" in out and "| 16 |" in out
+
+
+@pytest.mark.clients
+def test_torchvision_train_runs_on_cpu(tmp_path):
+    # The GPU suite's training loop, as a smoke run: every feed that needs no CUDA, a row
+    # each; the cuda-only ones left out with a note.
+    pytest.importorskip("torchvision")
+    out = run("torchvision_train.py", "--device", "cpu", "--model", "tiny", "--images", "32",
+              "--workers", "2", "--warmup", "1", "--steps", "2", "--json", str(tmp_path / "t.json"))
+    assert "gpu-decode: needs CUDA, left out" in out and "| accelerate-device |" in out
+    figures = json.loads((tmp_path / "t.json").read_text())
+    rows = {row["feed"]: row for row in figures["rows"]}
+    assert set(rows) == {"gpu-alone", "stock", "swap", "accelerate", "accelerate-device"}
+    assert rows["stock"]["vs_stock"] == 1.0 and figures["device"] == "CPU"
+    assert all(0 <= row["wait_share"] <= 1 and row["gpu_busy"] is None for row in rows.values())
+
+
+@pytest.mark.clients
+def test_gpu_decode_pixels_tabulates_both_routes():
+    pytest.importorskip("torchvision")
+    out = run("gpu_decode_pixels.py", "--images", "4", "--seeds", "1", "--size", "32")
+    assert "| gpu-decode |" in out and "| cpu route |" in out

@@ -1,85 +1,32 @@
 """The nvjpeg backend on the modelled device (``cuda_model``), its decoder modelled on what
-torchvision's CUDA code does (``decode_jpegs_cuda.cpp``): outputs allocated on the current
-stream, written on a private stream the host synchronises (twice a batch), and in ``UNCHANGED``
-mode a greyscale image cloned on the current stream. The pixels each batch ends with are
-compared with the same crops decoded on the CPU. (On a GPU: the ``gpu`` tests below.)"""
+torchvision's CUDA code does (``nvjpeg_model``). Each batch the device ends with is compared
+with the same crops decoded and resized on the CPU, by the same batched resize. (On a GPU: the
+``gpu`` tests below.)"""
 
-import enum
 import io
 import pickle
-import sys
-import types
 
 import cuda_model
 import numpy as np
+import nvjpeg_model
 import pytest
 import torch
+from nvjpeg_model import decode_with_pillow
 from PIL import Image
 
 from fastfeed import FastLoader
+from fastfeed import transforms as T
 from fastfeed.tree import map_tensors
-from fastfeed.vision import ImageFolder
-from fastfeed.vision.nvjpeg import (
-    EncodedImageFolder,
-    NvjpegDecode,
-    crop_resize,
+from fastfeed.vision import ImageFolder, image_loader
+from fastfeed.vision.gpu_decode import (
+    DecodeCrops,
+    NvjpegDecoder,
+    collate_crops,
     encoded_collate,
     gpu_decodable,
-    nvjpeg_transform,
 )
+from fastfeed.vision.nvjpeg import EncodedImageFolder, nvjpeg_transform
 from fastfeed.vision.synthetic import make_imagefolder
-
-
-class ImageReadMode(enum.Enum):
-    UNCHANGED, GRAY, RGB = 0, 1, 3
-
-
-def decode_with_pillow(data, device=None, mode=ImageReadMode.RGB):
-    """torchvision.io.decode_jpeg's contract on the CPU: a list of C×H×W uint8."""
-    images = []
-    for item in data:
-        image = Image.open(io.BytesIO(np.asarray(item).tobytes()))
-        if mode is ImageReadMode.RGB or image.mode != "L":
-            image = image.convert("RGB")
-        array = np.asarray(image)
-        images.append(torch.from_numpy(array.reshape(*array.shape[:2], -1).copy())
-                      .permute(2, 0, 1).contiguous())
-    return images
-
-
-class TorchvisionDecoder:
-    """``torchvision.io.decode_jpeg(device="cuda")`` as decode_jpegs_cuda.cpp runs it."""
-
-    def __init__(self, gpu):
-        self.gpu = gpu
-        self.private = None  # the decoder's stream, from torch's pool at first use
-        self.read_in_slot = []  # per encoded file: read where the worker left it
-
-    def __call__(self, data, device=None, mode=ImageReadMode.UNCHANGED):
-        if device is None or torch.device(device).type == "cpu":
-            return decode_with_pillow(data, mode=mode)
-        gpu = self.gpu
-        if self.private is None:
-            self.private = cuda_model.Stream(gpu, "nvjpeg")
-        for item in data:
-            if bytes(item[:2].tolist()) != b"\xff\xd8":
-                raise RuntimeError("Error while decoding JPEG images: Failed to get image info")
-            self.read_in_slot.append(any(start <= item.data_ptr() < start + n
-                                         for start, n in gpu.registered.items()))
-        pixels = decode_with_pillow(data, mode=ImageReadMode.RGB)
-        grey = [Image.open(io.BytesIO(np.asarray(d).tobytes())).mode == "L" for d in data]
-        outputs = [torch.empty(p.shape, dtype=torch.uint8, device=device) for p in pixels]
-        self.private.synchronize()
-        for output, values in zip(outputs, pixels, strict=True):
-            gpu.write(self.private, output, values)
-        self.private.synchronize()
-        if mode is ImageReadMode.UNCHANGED:  # channels sliced off on the current stream
-            outputs = [o[0].unsqueeze(0).clone() if g else o for o, g in zip(outputs, grey,
-                                                                             strict=True)]
-        event = torch.cuda.Event()
-        event.record(self.private)
-        torch.cuda.current_stream().wait_event(event)
-        return outputs
 
 
 @pytest.fixture
@@ -89,14 +36,7 @@ def gpu(monkeypatch):
 
 @pytest.fixture
 def decoder(gpu, monkeypatch):
-    decoder = TorchvisionDecoder(gpu)
-    torchvision = types.ModuleType("torchvision")
-    torchvision.io = types.ModuleType("torchvision.io")
-    torchvision.io.decode_jpeg = decoder
-    torchvision.io.ImageReadMode = ImageReadMode
-    monkeypatch.setitem(sys.modules, "torchvision", torchvision)
-    monkeypatch.setitem(sys.modules, "torchvision.io", torchvision.io)
-    return decoder
+    return nvjpeg_model.install(monkeypatch, gpu)
 
 
 def save(path, image, fmt="JPEG"):
@@ -111,23 +51,16 @@ def noise(mode, seed, size=(40, 32)):
 
 
 def cpu_reference(folder, samples):
-    """Each sample as the backend should give it: the same crop decoded on the CPU; for a file
-    the workers decode, ImageFolder's (the cpu backend's) image."""
-    cpu = ImageFolder(folder.root, folder.size, train=False)
-    images = []
-    for index in samples:
-        item = folder[index]
-        if isinstance(item["data"], np.ndarray):
-            crop = crop_resize(decode_with_pillow([item["data"]]), [item["box"]], folder.size)
-            images.append(crop.round().clamp(0, 255).to(torch.uint8)[0])
-        else:
-            images.append(cpu[index][0])
-    return torch.stack(images)
+    """The samples as the backend should give them: the same crops, the files decoded by
+    Pillow, the batch resized on the CPU (the files the workers decode: ImageFolder's image,
+    the cpu backend's)."""
+    crops = [folder[index][0] for index in samples]
+    return DecodeCrops(decoder=decode_with_pillow).images(collate_crops(crops))
 
 
 def loader_for(folder, batch_size):
     return FastLoader(folder, batch_size=batch_size, num_workers=2, device="cuda",
-                      collate_fn=encoded_collate, gpu_transform=nvjpeg_transform(folder.size))
+                      collate_fn=encoded_collate, gpu_transform=nvjpeg_transform())
 
 
 def check_batches(gpu, folder, got, batch_size):
@@ -166,6 +99,9 @@ def test_files_nvjpeg_cannot_take_are_decoded_by_the_workers(tmp_path, gpu, deco
     folder = EncodedImageFolder(tmp_path, 24, train=False)
     got = list(loader_for(folder, 4))
     check_batches(gpu, folder, got, 4)
+    # The workers' crops are the cpu backend's, bit for bit (the batched resize keeps them).
+    cpu = ImageFolder(tmp_path, 24, train=False)
+    assert torch.equal(gpu.read(got[0][0])[1:3], torch.stack([cpu[1][0], cpu[2][0]]))
 
 
 def test_on_error_skip_drops_a_file_nothing_can_decode(tmp_path, gpu, decoder):
@@ -192,36 +128,72 @@ def test_the_decode_waits_on_the_host_only_off_the_training_thread(tmp_path, gpu
     check_batches(gpu, folder, got, 4)
 
 
+def to_device(tensor):
+    """What FastLoader's copy does (the model counts any copy of an empty tensor as a sync)."""
+    if not tensor.numel():
+        return torch.empty(tensor.shape, dtype=tensor.dtype, device="cuda")
+    return tensor.pin_memory().to("cuda", non_blocking=True)
+
+
 def test_decoding_a_batch_reads_no_device_value_back(tmp_path, gpu, decoder):
     # The only host waits are the decoder's own, on its private stream.
     root = make_imagefolder(tmp_path, images=6, classes=2)
     folder = EncodedImageFolder(root, 32, train=True)
     batch = encoded_collate([folder[i] for i in range(6)])
-    batch["data"] = [np.array(d) for d in batch["data"]]  # writable, as views of a slot are
-    on_device = map_tensors(lambda t: t.pin_memory().to("cuda", non_blocking=True), batch)
-    images, targets = NvjpegDecode(32)(on_device)
+    on_device = map_tensors(to_device, batch)
+    images, targets = DecodeCrops()(on_device)
     assert tuple(images.shape) == (6, 3, 32, 32) and images.dtype == torch.uint8
     assert {what for what, _ in gpu.syncs} == {"nvjpeg.synchronize()"}
+    assert decoder.calls == 1, "one decode call a batch"
     gpu.run()
-    assert torch.equal(gpu.read(targets), batch["target"])
+    assert torch.equal(gpu.read(targets), batch[1])
 
 
-def test_batched_crop_resize_equals_each_crop_resized_alone(tmp_path):
-    folder = EncodedImageFolder(make_imagefolder(tmp_path, images=6, classes=2), 32, train=True)
-    batch = encoded_collate([folder[i] for i in range(6)])
-    images = decode_with_pillow(batch["data"])
-    got = crop_resize(images, batch["box"], 32)
-    for image, (x, y, w, h), resized in zip(images, batch["box"], got, strict=True):
-        crop = image[:, y:y + h, x:x + w].unsqueeze(0).float()
-        want = torch.nn.functional.interpolate(crop, size=(32, 32), mode="bilinear",
-                                               antialias=True, align_corners=False)[0]
-        assert torch.equal(resized, want)
+def test_image_loader_builds_the_backend_and_its_gpu_transform_runs_after(tmp_path, gpu,
+                                                                           decoder):
+    # With the user's gpu_transform after the decode, the decode still waits on the host
+    # only in the helper thread.
+    root = make_imagefolder(tmp_path, images=10, classes=2)
+    folder = EncodedImageFolder(root, 24, train=False)
+    loader = image_loader(root, batch_size=4, size=24, train=False, backend="nvjpeg",
+                          device="cuda", num_workers=2, gpu_transform=T.Normalize(key=0))
+    list(loader)
+    gpu.run()
+    syncs = len(gpu.syncs_in("MainThread"))
+    got = list(loader)
+    assert gpu.syncs_in("MainThread")[syncs:] == []
+    gpu.run()
+    for start, (images, targets) in zip(range(0, 10, 4), got, strict=True):
+        want = T.Normalize(key=0)([cpu_reference(folder, range(start, min(start + 4, 10)))])
+        assert torch.equal(gpu.read(images), want[0])
+        assert gpu.read(targets).tolist() == [folder.targets[i] for i in range(start,
+                                                                               start + 4)
+                                              if i < 10]
+
+
+def test_flips_and_boxes_are_the_workers_draws(tmp_path):
+    # The crop box and the flip each worker draws reach the GPU: the batch equals the same
+    # crops made one at a time (torch's interpolate), mirrored where the worker flipped.
+    folder = EncodedImageFolder(make_imagefolder(tmp_path, images=8, classes=2), 32, train=True)
+    torch.manual_seed(0)
+    samples = [folder[i][0] for i in range(8)]
+    images = DecodeCrops(decoder=decode_with_pillow).images(collate_crops(samples))
+    flips = 0
+    for crop, got in zip(samples, images, strict=True):
+        x, y, w, h = (int(v) for v in crop.geometry[:4])
+        image = decode_with_pillow([crop.data])[0][:, y:y + h, x:x + w]
+        want = torch.nn.functional.interpolate(image[None].float(), size=(32, 32),
+                                               mode="bilinear", antialias=True)[0]
+        want = want.flip(-1) if crop.geometry[10] else want
+        flips += int(crop.geometry[10])
+        assert (got.float() - want).abs().max() <= 0.5 + 1e-3
+    assert 0 < flips < 8
 
 
 def test_the_decoder_pickles_without_its_stream(gpu, decoder):
-    decode = NvjpegDecode(32)
-    decode.decode([torch.frombuffer(bytearray(jpeg_bytes()), dtype=torch.uint8)],
-                  torch.device("cuda", 0))
+    decode = NvjpegDecoder()
+    decode([torch.frombuffer(bytearray(jpeg_bytes()), dtype=torch.uint8)],
+           torch.device("cuda", 0))
     assert decode._decode_stream is not None
     assert pickle.loads(pickle.dumps(decode))._decode_stream is None
 
@@ -240,21 +212,21 @@ def test_gpu_decode_matches_the_cpu_and_waits_for_nothing(tmp_path):
     folder = EncodedImageFolder(make_imagefolder(tmp_path, images=6, classes=2), 32, train=True)
     batch = encoded_collate([folder[i] for i in range(6)])
     on_gpu = map_tensors(lambda t: t.cuda(), batch)
-    images, targets = NvjpegDecode(32)(on_gpu)  # the first call sets up nvJPEG
+    images, targets = DecodeCrops()(on_gpu)  # the first call sets up nvJPEG
     assert images.is_cuda and targets.is_cuda
-    # Against the same crops of the images decoded on the CPU (nvJPEG's IDCT may differ from
-    # libjpeg's by a grey level).
-    want = crop_resize(decode_with_pillow(batch["data"]), batch["box"], 32).round().clamp(0, 255)
-    flip = batch["flip"].view(-1, 1, 1, 1)
-    want = torch.where(flip, want.flip(-1), want)
+    # Against the same crops of the images decoded on the CPU (nvJPEG's IDCT and chroma
+    # upsampling differ from libjpeg's by a few grey levels).
+    want = DecodeCrops(decoder=decode_with_pillow).images(batch[0]).float()
     assert (images.cpu().float() - want).abs().mean() < 3.0
     from torchvision.io import decode_jpeg
 
-    decoded = decode_jpeg([torch.from_numpy(d) for d in batch["data"]], device="cuda")
+    decoded = decode_jpeg([torch.from_numpy(d) for d in batch[0]["encoded"]], device="cuda")
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        crop_resize(decoded, batch["box"], 32)
+        from fastfeed.vision.resample import resize_crops
+
+        resize_crops(decoded, batch[0]["geometry"])
     finally:
         torch.cuda.set_sync_debug_mode("default")
 

@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from fastfeed import FastLoader
 from fastfeed.ring import SlotRing
-from fastfeed.vision.collate import ImageCollate
+from fastfeed.vision.image_collate import ImageCollate
 
 
 def clone(batch):

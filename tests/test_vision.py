@@ -2,6 +2,8 @@
 
 import io
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -337,3 +339,26 @@ def test_a_truncated_jpeg_is_refused_or_loaded_as_pillow_does(load_truncated, mo
     else:
         with pytest.raises(DecodeError, match="truncated"):
             decode_resized_crop(cut, top_rows, (16, 4))
+
+
+def test_the_subpackages_are_attributes_of_fastfeed_imported_when_named():
+    # The README's `import fastfeed` then `fastfeed.vision.accelerate(ds)`: the subpackages
+    # are reachable without an import of their own, and `import fastfeed` alone imports none
+    # of them, nor torchvision or Ultralytics (a fresh interpreter: this one has them).
+    code = """
+import sys
+import fastfeed
+heavy = ("torchvision", "ultralytics", "cv2", "fastfeed.vision", "fastfeed.ultralytics")
+print(sorted(name for name in heavy if name in sys.modules))
+accelerate = fastfeed.vision.accelerate
+print(accelerate.__module__, fastfeed.ultralytics.patch.__name__, fastfeed.doctor.__name__)
+print("vision" in dir(fastfeed))
+try:
+    fastfeed.nonexistent
+except AttributeError as error:
+    print(error)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=Path(__file__).resolve().parents[1]).stdout.splitlines()
+    assert out == ["[]", "fastfeed.vision.accelerate patch fastfeed.doctor", "True",
+                   "module 'fastfeed' has no attribute 'nonexistent'"]

@@ -18,7 +18,9 @@ The package, one job a module:
   in order, making the same random draws as in the stock pipeline;
 - :mod:`~.geometry`: the window, drawn by the transforms' own code;
 - :mod:`~.tail`: the tail per sample, or on whole batches (in the ring slot, or on the device);
-- :mod:`~.fused`: the accelerated dataset's loader and transform.
+- :mod:`~.fused`: the accelerated dataset's loader and transform;
+- :mod:`~.on_gpu`: ``decode_device="cuda"``, the decode and all of the prefix and tail on the
+  GPU (the crop windows and flips still drawn by the workers, with the user's objects).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch.utils.data import Dataset
 
 from fastfeed.vision.accelerate.fused import (
@@ -36,13 +39,14 @@ from fastfeed.vision.accelerate.fused import (
     read_encoded,
     with_transform,
 )
+from fastfeed.vision.accelerate.on_gpu import GpuDecodeTransform, pixel_affine
 from fastfeed.vision.accelerate.plan import UnsupportedPipeline, compile_plan
 from fastfeed.vision.accelerate.tail import BatchTail, TailCollate
 from fastfeed.vision.folder import ImageFolder
 
 __all__ = [
-    "BatchTail", "EncodedImage", "FusedTransform", "TailCollate", "UnsupportedPipeline",
-    "accelerate", "batch_tail", "deferred_for_device", "read_encoded",
+    "BatchTail", "EncodedImage", "FusedTransform", "GpuDecodeTransform", "TailCollate",
+    "UnsupportedPipeline", "accelerate", "batch_tail", "deferred_for_device", "read_encoded",
 ]
 
 
@@ -64,7 +68,26 @@ def _check_dataset(dataset: Any) -> None:
         raise UnsupportedPipeline(f"image backend {get_image_backend()!r}")
 
 
-def accelerate(dataset: Dataset, *, defer_tail: bool = False) -> Dataset:
+def _warn(message: str) -> None:
+    warnings.warn(f"fastfeed.vision.accelerate: {message}", stacklevel=3)
+
+
+def _check_decode_device(decode_device: Any, defer_tail: bool) -> None:
+    if decode_device is None:
+        return
+    try:
+        kind = torch.device(decode_device).type
+    except (RuntimeError, TypeError):
+        kind = None
+    if kind != "cuda":
+        raise ValueError(f"decode_device should be 'cuda' (or None), got {decode_device!r}")
+    if defer_tail:
+        raise ValueError("decode_device='cuda' finishes the batches on the GPU itself: "
+                         "leave defer_tail=False")
+
+
+def accelerate(dataset: Dataset, *, defer_tail: bool = False,
+               decode_device: str | torch.device | None = None) -> Dataset:
     r"""Return a faster copy of a torchvision ``ImageFolder``/``DatasetFolder``.
 
     The copy is the same class with the same ``classes``, ``class_to_idx``, ``samples``,
@@ -95,28 +118,52 @@ def accelerate(dataset: Dataset, *, defer_tail: bool = False) -> Dataset:
             Only for a tail of ``ToDtype``, ``ConvertImageDtype``, ``Normalize`` and
             ``ToPureTensor`` after a conversion; otherwise a warning names the piece that must
             run per sample, and items keep the user's output.
+        decode_device: ``"cuda"``: in a ``FastLoader(..., device="cuda")``, the workers only
+            read the files and draw the crop windows and flips (with the user's objects, as
+            stock draws them); the loader's GPU decodes each batch (nvJPEG, through
+            torchvision), crops, resizes, flips, converts and normalises it, off the training
+            thread (:mod:`~.on_gpu`). Pixels differ from Pillow's a little more than the CPU
+            route's (see docs/torchvision.md). For the classic pipeline and torchvision's
+            reference presets: a conversion, then elementwise ops only; otherwise one warning
+            names what runs per sample and the images are decoded on the CPU. A FastLoader
+            without ``device`` refuses the dataset (``ValueError``); read directly, or by
+            another loader, it is the CPU route's.
 
     Example:
         >>> train = torchvision.datasets.ImageFolder("imagenet/train", transform=classic)
         >>> train = fastfeed.vision.accelerate(train)
         >>> loader = FastLoader(train, batch_size=256, shuffle=True, num_workers=8)
+        >>> # or decode on the GPU, off the training thread:
+        >>> train = fastfeed.vision.accelerate(train, decode_device="cuda")
+        >>> loader = FastLoader(train, batch_size=256, shuffle=True, num_workers=8,
+        ...                     device="cuda")
     """
+    _check_decode_device(decode_device, defer_tail)
     if isinstance(dataset, ImageFolder):
+        if decode_device is not None:
+            _warn("decode_device ignored for fastfeed.vision.ImageFolder: use "
+                  "image_loader(..., backend='nvjpeg') to decode it on the GPU")
         return dataset
     try:
         _check_dataset(dataset)
         plan = compile_plan(dataset.transform)  # type: ignore[attr-defined]
     except UnsupportedPipeline as unsupported:
-        warnings.warn(f"fastfeed.vision.accelerate: {unsupported} is not supported; the dataset "
-                      "runs unchanged", stacklevel=2)
+        _warn(f"{unsupported} is not supported; the dataset runs unchanged")
         return dataset
+    transform = dataset.transform  # type: ignore[attr-defined]
+    if decode_device is not None:
+        try:
+            return with_transform(dataset, GpuDecodeTransform(transform, plan,
+                                                              pixel_affine(plan)))
+        except UnsupportedPipeline as why:
+            _warn(f"decode_device={decode_device!r} ignored, {why}; the images are decoded "
+                  "on the CPU")
     per_sample = plan.per_sample_piece()
     if defer_tail and per_sample is not None:
-        warnings.warn(f"fastfeed.vision.accelerate: defer_tail=True ignored, {per_sample} runs "
-                      "per sample; items keep the transform's output", stacklevel=2)
+        _warn(f"defer_tail=True ignored, {per_sample} runs per sample; items keep the "
+              "transform's output")
         defer_tail = False
-    return with_transform(dataset, FusedTransform(dataset.transform,  # type: ignore[attr-defined]
-                                                  plan, defer_tail))
+    return with_transform(dataset, FusedTransform(transform, plan, defer_tail))
 
 
 def batch_tail(dataset: Dataset) -> Callable[[Any], Any]:

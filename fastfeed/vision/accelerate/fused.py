@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import io
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,7 +102,7 @@ class FusedTransform:
         return run(self.tail, convert(image, self.plan.conversion))
 
 
-def with_transform(dataset: Dataset, transform: FusedTransform) -> Dataset:
+def with_transform(dataset: Dataset, transform: Callable[[EncodedImage], Any]) -> Dataset:
     """A shallow copy of ``dataset`` that reads bytes and runs ``transform``."""
     fast = copy.copy(dataset)
     fast.loader = read_encoded  # type: ignore[attr-defined]

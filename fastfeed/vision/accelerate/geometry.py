@@ -39,13 +39,16 @@ def _pair(size: Any) -> tuple[int, int]:
 
 class SourceWindow:
     """The current image as a rectangle of the source (float pixels), its size, whether it is
-    mirrored, and the interpolation of the last resize."""
+    mirrored, the interpolation of the last resize, and the region of the source that resize
+    read (``bounds``: left, top, right, bottom; a crop after it narrows the window, not the
+    region its filter taps)."""
 
     def __init__(self, width: int, height: int) -> None:
         self.x, self.y, self.w, self.h = 0.0, 0.0, float(width), float(height)
         self.width, self.height = width, height
         self.flipped = False
         self.mode = "bilinear"
+        self.bounds = (0.0, 0.0, float(width), float(height))
 
     def crop(self, left: int, top: int, width: int, height: int) -> None:
         scale_x, scale_y = self.w / self.width, self.h / self.height
@@ -61,6 +64,7 @@ class SourceWindow:
         assert mode is not None, "the plan lets only bilinear and bicubic resizes through"
         self.width, self.height = size
         self.mode = mode
+        self.bounds = (self.x, self.y, self.x + self.w, self.y + self.h)
 
     def source_box(self, image_width: int, image_height: int) -> Box:
         left, top = round(self.x), round(self.y)

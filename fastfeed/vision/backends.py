@@ -10,8 +10,8 @@ import torch
 
 from fastfeed._imports import importable
 from fastfeed.loader import FastLoader
-from fastfeed.vision.collate import ImageCollate, YoloCollate
 from fastfeed.vision.folder import ImageFolder
+from fastfeed.vision.image_collate import ImageCollate, YoloCollate
 from fastfeed.vision.yolo import YoloDataset
 
 __all__ = ["BACKENDS", "choose_backend", "image_loader"]
@@ -95,7 +95,7 @@ def image_loader(
     if chosen == "nvjpeg":
         from fastfeed.vision.nvjpeg import EncodedImageFolder, encoded_collate, nvjpeg_transform
 
-        gpu_transform = nvjpeg_transform(size, loader_kwargs.pop("gpu_transform", None))
+        gpu_transform = nvjpeg_transform(loader_kwargs.pop("gpu_transform", None))
         return FastLoader(EncodedImageFolder(root, size, train, on_error=on_error),
                           batch_size=batch_size, num_workers=num_workers, device=device,
                           collate_fn=encoded_collate, gpu_transform=gpu_transform,

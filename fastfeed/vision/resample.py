@@ -1,0 +1,231 @@
+"""Crop, resize, flip, convert and normalise a batch of images of different sizes at once.
+
+Every image of a batch has its own crop window and flip, and the crops differ in size, so one
+``interpolate`` call per image would be the obvious way: several kernels an image. Here the
+host knows everything that varies (the windows and flips were drawn by the workers, the image
+sizes are tensor metadata), so it writes small tables: for each output row and column, the
+source pixels it reads and their weights (a separable antialiased filter, torch's and Pillow's:
+bilinear or bicubic, its support widened by the downscale), with the flip folded into the
+column order. The tables cross to the device in one copy, and the resize is two weighted
+gathers, each one ``embedding_bag`` (a gather and a weighted sum in one kernel):
+
+1. the images, packed end to end in one buffer, give the rows the vertical taps read, only
+   their crop's columns (one gather), as floats: the table of the vertical pass;
+2. vertical pass: each output row of each channel is a weighted sum of source rows;
+3. the result is transposed (one copy), so that its columns are rows;
+4. horizontal pass: each output column is a weighted sum of those columns;
+5. one ``addcmul`` writes the NCHW batch, converting and normalising per channel
+   (``value * scale + offset``: ``ToTensor`` and ``Normalize`` folded together), in the
+   output dtype; a uint8 output is then rounded into uint8 (one copy). After a bicubic
+   filter, which overshoots, the pixels are first clamped to 0–255, as Pillow's are.
+
+About a dozen kernels a batch, however many images it has; nothing reads a device value back.
+The same code runs on CPU tensors, which is how its tests see it. Pixels: torch's antialiased
+``interpolate`` of each crop, to float rounding (``tests/test_gpu_decode.py``); against
+Pillow's fixed-point resize of a uint8 image, a fraction of a grey level.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+__all__ = ["FIELDS", "UINT8", "PixelAffine", "crop_geometry", "resize_crops"]
+
+# One row of a batch's geometry (float64): the window of the source the output shows (x, y,
+# w, h, in source pixels, fractional after a crop of a resized image); the region the resize
+# reads, where its taps stop (left, top, right, bottom: the crop a resize follows, or the whole
+# image); the output's size; whether it is mirrored; whether the filter is bicubic.
+FIELDS = ("x", "y", "w", "h", "left", "top", "right", "bottom", "out_w", "out_h", "flip",
+          "bicubic")
+_X, _Y, _W, _H, _LEFT, _TOP, _RIGHT, _BOTTOM, _OUT_W, _OUT_H, _FLIP, _BICUBIC = range(12)
+
+
+def crop_geometry(window: Sequence[float], size: Sequence[int],
+                  bounds: Sequence[float] | None = None, flip: bool = False,
+                  mode: str = "bilinear") -> np.ndarray:
+    """One row of geometry: ``window`` ``(x, y, w, h)`` of the source resized to ``size``
+    ``(width, height)``, its taps within ``bounds`` ``(left, top, right, bottom)`` (default:
+    the window), mirrored if ``flip``; ``mode`` ``"bilinear"`` or ``"bicubic"``."""
+    if mode not in ("bilinear", "bicubic"):
+        raise ValueError(f"mode should be 'bilinear' or 'bicubic', got {mode!r}")
+    x, y, w, h = window
+    left, top, right, bottom = (x, y, x + w, y + h) if bounds is None else bounds
+    return np.array([x, y, w, h, left, top, right, bottom, size[0], size[1], flip,
+                     mode == "bicubic"], dtype=np.float64)
+
+
+@dataclass(frozen=True)
+class PixelAffine:
+    """What the resized pixels (0–255) become: ``value * scale[c] + offset[c]`` in ``dtype``.
+
+    A uint8 ``dtype`` gives the pixels rounded (scale 1, offset 0 only). ``ToTensor`` then
+    ``Normalize(mean, std)`` is ``scale = 1 / (255 std)``, ``offset = -mean / std``.
+    """
+
+    dtype: torch.dtype = torch.uint8
+    scale: tuple[float, float, float] = (1.0, 1.0, 1.0)
+    offset: tuple[float, float, float] = (0.0, 0.0, 0.0)
+
+    def __post_init__(self) -> None:
+        if self.dtype == torch.uint8 and (self.scale, self.offset) != UINT8_AFFINE:
+            raise ValueError("a uint8 output takes the pixels as they are (scale 1, offset 0)")
+        if self.dtype != torch.uint8 and not self.dtype.is_floating_point:
+            raise ValueError(f"dtype should be uint8 or floating point, got {self.dtype}")
+
+
+UINT8_AFFINE = ((1.0, 1.0, 1.0), (0.0, 0.0, 0.0))
+UINT8 = PixelAffine()
+
+
+def _filter(distance: np.ndarray, bicubic: np.ndarray) -> np.ndarray:
+    """torch's (and Pillow's) antialiasing filters at ``distance`` (``(B, out, K)``, in
+    filter units, non-negative): the triangle, or Keys' cubic (a = -0.5) where ``bicubic``."""
+    weights = np.maximum(1 - distance, 0)
+    if bicubic.any():
+        x, a = distance[bicubic], -0.5
+        weights[bicubic] = np.where(x < 1, ((a + 2) * x - (a + 3)) * x * x + 1,
+                                    np.where(x < 2, ((a * x - 5 * a) * x + 8 * a) * x - 4 * a,
+                                             0))
+    return weights
+
+
+def _taps(start: np.ndarray, length: np.ndarray, out: int, low: np.ndarray,
+          high: np.ndarray, bicubic: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Source indices ``(B, out, K)`` and weights of one axis: torch's antialiased
+    interpolate of the region ``[low, high)`` at the window's sampling positions (Pillow's
+    ``resize(box=...)``). Rows have K taps at most; shorter ones are padded with weight 0 on
+    their last index, so that indices never decrease along a row."""
+    scale = length / out
+    stretch = np.maximum(scale, 1.0)
+    support = np.where(bicubic, 2.0, 1.0) * stretch
+    center = (start - low)[:, None] + (np.arange(out) + 0.5) * scale[:, None]
+    first = np.maximum((center - support[:, None] + 0.5).astype(np.int64), 0)
+    last = np.maximum(np.minimum((center + support[:, None] + 0.5).astype(np.int64),
+                                 (high - low)[:, None]) - 1, first)
+    k = np.arange(int((last - first).max()) + 1)
+    # Each tap's distance from its centre in filter units; float32 is ample for weights.
+    offset = ((first - center + 0.5) / stretch[:, None]).astype(np.float32)
+    distance = np.abs(offset[..., None] + (k / stretch[:, None, None]).astype(np.float32))
+    weights = _filter(distance, bicubic)
+    weights *= k <= (last - first)[..., None]
+    total = weights.sum(-1, keepdims=True)
+    weights /= np.where(total > 0, total, 1)  # as torch: a window outside its region is 0
+    # int32: image coordinates (the packed offsets, in int64, are made from them)
+    index = np.minimum((first + low[:, None]).astype(np.int32)[..., None] + k.astype(np.int32),
+                       (last + low[:, None]).astype(np.int32)[..., None])
+    return index, weights
+
+
+class _Tables:
+    """The host's per-batch tables, packed into one buffer for one copy to the device."""
+
+    def __init__(self, geometry: np.ndarray, sizes: np.ndarray) -> None:
+        g = geometry
+        heights, widths = sizes[:, 0], sizes[:, 1]
+        self.out_h, self.out_w = int(g[0, _OUT_H]), int(g[0, _OUT_W])
+        bicubic = g[:, _BICUBIC] > 0
+        self.bicubic = bool(bicubic.any())
+        # Taps stop at the resized region, and at the image (a window cannot leave it).
+        top = np.clip(np.round(g[:, _TOP]), 0, heights - 1).astype(np.int64)
+        bottom = np.clip(np.round(g[:, _BOTTOM]), top + 1, heights).astype(np.int64)
+        left = np.clip(np.round(g[:, _LEFT]), 0, widths - 1).astype(np.int64)
+        right = np.clip(np.round(g[:, _RIGHT]), left + 1, widths).astype(np.int64)
+        rows, row_w = _taps(g[:, _Y], g[:, _H], self.out_h, top, bottom, bicubic)
+        cols, col_w = _taps(g[:, _X], g[:, _W], self.out_w, left, right, bicubic)
+        # The rows the vertical taps read (indices grow along each axis), each cut to the
+        # columns the horizontal taps read.
+        first_row, row_count = rows[:, 0, 0], rows[:, -1, -1] + 1 - rows[:, 0, 0]
+        first_col = cols[:, 0, 0].copy()  # not a view: the flip below reorders cols
+        self.width = int((cols[:, -1, -1] + 1 - first_col).max())
+        flipped = g[:, _FLIP] > 0
+        cols[flipped], col_w[flipped] = cols[flipped, ::-1], col_w[flipped, ::-1]
+
+        planes = heights * widths
+        self.flat_size = int(3 * planes.sum())
+        image_start = np.cumsum(3 * planes) - 3 * planes
+        segment_start = (image_start + first_row * widths + first_col)[:, None] + (
+            np.arange(3) * planes[:, None])  # each channel's first row, (B, 3)
+        counts = np.repeat(row_count, 3)
+        ends = np.cumsum(counts)
+        row = np.arange(int(ends[-1])) - np.repeat(ends - counts, counts)
+        self.segments = (np.repeat(segment_start.ravel(), counts)
+                         + row * np.repeat(np.repeat(widths, 3), counts))
+        table_start = ends[::3] - counts[::3]  # each image's first row in the table
+        self.vertical = (table_start - first_row)[:, None, None] + rows
+        self.channel_rows = np.arange(3) * row_count[:, None]
+        self.horizontal = (np.arange(len(g)) * self.width - first_col)[:, None, None] + cols
+        self.weights = (row_w, col_w)
+
+    def to(self, device: torch.device, affine: PixelAffine) -> list[torch.Tensor]:
+        """The tables on ``device`` (one copy; page-locked memory when it is a GPU):
+        segments, vertical, channel_rows, horizontal (indices), vertical and horizontal
+        weights, scale and offset."""
+        largest = max(self.flat_size + self.width, int(self.horizontal.max()) + 1)
+        index_dtype = np.int32 if largest < 2**31 else np.int64
+        offset = [0.5 if affine.dtype == torch.uint8 else b for b in affine.offset]
+        parts = [a.astype(index_dtype).ravel() for a in
+                 (self.segments, self.vertical, self.channel_rows, self.horizontal)]
+        parts += [w.astype(np.float32).ravel() for w in self.weights]
+        parts += [np.array(affine.scale, np.float32), np.array(offset, np.float32)]
+        bounds = np.cumsum([0, *(-(-p.nbytes // 8) * 8 for p in parts)])  # 8-byte aligned
+        host = torch.empty(int(bounds[-1]), dtype=torch.uint8,
+                           pin_memory=device.type == "cuda")
+        packed = host.numpy()
+        for part, start in zip(parts, bounds, strict=False):
+            packed[start:start + part.nbytes] = part.view(np.uint8)
+        on_device = host.to(device, non_blocking=True)
+        index = torch.int32 if index_dtype == np.int32 else torch.int64
+        return [on_device[start:start + part.nbytes].view(index if i < 4 else torch.float32)
+                for i, (part, start) in enumerate(zip(parts, bounds, strict=False))]
+
+
+def resize_crops(images: Sequence[torch.Tensor], geometry: np.ndarray,
+                 affine: PixelAffine = UINT8) -> torch.Tensor:
+    """Crop, resize, flip and convert a batch: ``images`` (uint8 ``3×H×W``, of any sizes, on
+    one device) with one row of ``geometry`` each (:func:`crop_geometry`; every row with the
+    same output size) to an ``N×3×out_h×out_w`` tensor of ``affine.dtype``.
+
+    Queues a fixed number of kernels whatever the batch size (for contiguous images, as
+    decoders give them; any other is copied first), and waits for none of them.
+    """
+    if len(images) != len(geometry) or not len(images):
+        raise ValueError(f"{len(images)} images for {len(geometry)} rows of geometry")
+    if len(np.unique(geometry[:, [_OUT_W, _OUT_H]], axis=0)) != 1:
+        raise RuntimeError("stack expects each tensor to be equal size, but the crops of this "
+                           f"batch have sizes {np.unique(geometry[:, [_OUT_W, _OUT_H]], axis=0)}")
+    device = images[0].device
+    batch = len(images)
+    tables = _Tables(geometry, np.array([image.shape[1:] for image in images]))
+    segments, vertical, channel_rows, horizontal, row_w, col_w, scale, offset = tables.to(
+        device, affine)
+    out_h, out_w, width = tables.out_h, tables.out_w, tables.width
+    taps_v, taps_h = tables.weights[0].shape[-1], tables.weights[1].shape[-1]
+    # The images end to end, then room for the last segment to run past its image: those
+    # columns are never read (their weights are zero), so the room is left uninitialised.
+    packed = torch.cat([*(image.reshape(-1) for image in images),
+                        torch.empty(width, dtype=torch.uint8, device=device)])
+    table = packed.unfold(0, width, 1)[segments].float()
+    rows = (vertical.view(batch, 1, out_h, taps_v)
+            + channel_rows.view(batch, 3, 1, 1)).view(-1, taps_v)
+    row_weights = row_w.view(batch, 1, out_h, taps_v).expand(batch, 3, out_h, taps_v)
+    vertical_pass = F.embedding_bag(rows, table, per_sample_weights=row_weights.reshape(
+        -1, taps_v), mode="sum")
+    columns = vertical_pass.view(batch, 3 * out_h, width).transpose(1, 2).reshape(
+        batch * width, 3 * out_h)
+    resized = F.embedding_bag(horizontal.view(-1, taps_h), columns,
+                              per_sample_weights=col_w.view(-1, taps_h), mode="sum")
+    if tables.bicubic:  # the cubic filter overshoots: Pillow's uint8 result is clamped
+        resized.clamp_(0, 255)
+    pixels = resized.view(batch, out_w, 3, out_h).permute(0, 2, 3, 1)
+    floats = affine.dtype if affine.dtype != torch.uint8 else torch.float32
+    out = torch.empty((batch, 3, out_h, out_w), dtype=floats, device=device)
+    torch.addcmul(offset.view(1, 3, 1, 1), pixels, scale.view(1, 3, 1, 1), out=out)
+    if affine.dtype != torch.uint8:
+        return out
+    # the offset was 0.5: the conversion's truncation rounds
+    return torch.empty(out.shape, dtype=torch.uint8, device=device).copy_(out)
