@@ -267,6 +267,36 @@ def test_profile_names_each_stage_and_puts_everything_back(tmp_path):
     assert "loader" in vars(dataset) and dataset[0][0].shape == (16,)
 
 
+class Listed(torch.utils.data.Dataset):
+    """A dataset whose ``transforms`` is a plain list (or tuple) of transforms, applied in
+    its own ``__getitem__``."""
+
+    def __init__(self, transforms):
+        self.transforms = transforms
+
+    def __len__(self):
+        return 6
+
+    def __getitem__(self, i):
+        x = torch.full((4,), float(i))
+        for t in self.transforms:
+            x = t(x)
+        return x
+
+
+@pytest.mark.parametrize("kind", [list, tuple])
+def test_a_plain_list_of_transforms_is_timed_by_name(kind):
+    dataset = Listed(kind([torch.neg, Sleepy(), Pipeline([torch.abs])]))
+    before = dataset.transforms
+    costs, _ = profile_samples(dataset, torch.utils.data.default_collate, 3)
+    names = [c.stage for c in costs]
+    assert names[0] == "Sleepy"
+    assert {"builtin_function_or_method", "Pipeline", "builtin_function_or_method #2",
+            "__getitem__ (rest)", "collate"} <= set(names)
+    assert dataset.transforms is before and type(before) is kind  # given back as it was
+    assert list(before)[:2] == [torch.neg, before[1]] and isinstance(before[1], Sleepy)
+
+
 def test_loader_spec_rebuilds_the_same_batches():
     generator = torch.Generator().manual_seed(7)
     loader = DataLoader(MixedDataset(20), batch_size=3, shuffle=True, num_workers=2,
