@@ -139,7 +139,16 @@ def test_the_report_says_when_the_cores_were_all_busy():
     assert ("2 CPU cores, 2.0 in use (0.4 by this training, 1.6 by other processes: all busy)"
             in report)
     assert "2 child processes (workers) 13% on a CPU, 80% waiting for one" in report
-    assert "the workers waited for a core 80% of the time. More workers cannot help" in report
-    quiet = format_report(Diagnosis(**{**vars(diagnosis), "system": {
-        **system, "machine_cores_used": 0.5, "worker_waiting": 0.0}}))
-    assert "all busy" not in quiet and "More workers cannot help" not in quiet
+    assert ("The workers are CPU-bound on cores that were all in use (1.6 of them by other "
+            "processes): they waited for a core 80% of the time. More workers would share the "
+            "same cores") in report
+
+    def reported(**changes) -> str:
+        return format_report(Diagnosis(**{**vars(diagnosis),
+                                          "system": {**system, **changes}}))
+
+    quiet = reported(machine_cores_used=0.5, worker_waiting=0.0)
+    assert "all busy" not in quiet and "CPU-bound" not in quiet
+    # Busy cores, but workers that mostly sleep (on storage, say): more of them can help.
+    sleeping = reported(worker_busy=0.05, worker_waiting=0.2)
+    assert "all busy" in sleeping and "CPU-bound" not in sleeping

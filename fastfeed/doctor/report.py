@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from fastfeed.doctor.findings import Diagnosis, Option, Stage
-from fastfeed.doctor.system import SATURATED
+from fastfeed.doctor.system import CPU_BOUND, SATURATED
 from fastfeed.doctor.verdict import COMPUTE_BOUND, MIN_SPEEDUP
 
 __all__ = ["format_report"]
@@ -109,15 +109,18 @@ def _system(d: Diagnosis) -> list[str]:
 
 
 def _saturated(s: dict[str, Any]) -> list[str]:
-    """What all-busy cores mean for the workers: they wait for a core, not for work."""
-    machine, cores, waiting = s.get("machine_cores_used"), s.get("cpu_cores"), s.get(
-        "worker_waiting")
-    if machine is None or not cores or machine < SATURATED * cores or not waiting:
+    """What CPU-bound workers on all-busy cores mean: they wait for a core, not for work,
+    however low their own share of CPU reads."""
+    machine, cores = s.get("machine_cores_used"), s.get("cpu_cores")
+    busy, waiting = s.get("worker_busy"), s.get("worker_waiting")
+    if (machine is None or not cores or machine < SATURATED * cores or busy is None
+            or waiting is None or busy + waiting < CPU_BOUND):
         return []
     others = max(0.0, machine - (s.get("cores_used") or 0.0))
-    return [f"  The cores were all in use ({others:.1f} of them by other processes): the "
-            f"workers waited for a core {100 * waiting:.0f}% of the time. More workers cannot "
-            "help; less CPU work per sample (the stages above), or fewer other processes, can."]
+    return [f"  The workers are CPU-bound on cores that were all in use ({others:.1f} of them "
+            f"by other processes): they waited for a core {100 * waiting:.0f}% of the time. "
+            "More workers would share the same cores; less CPU work per sample (the stages "
+            "above), or fewer other processes, would help."]
 
 
 def _same(option: Option) -> str:

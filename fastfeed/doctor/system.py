@@ -26,6 +26,9 @@ _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 _IDLE_COLUMNS = (3, 4)
 # The share of the cores in use from which the report calls them all busy.
 SATURATED = 0.9
+# The share of their time workers spend on a CPU or waiting for one from which they are
+# CPU-bound: they rarely sleep (on I/O, a lock, an empty task queue).
+CPU_BOUND = 0.75
 
 
 def _fields(pid: int) -> list[str] | None:
