@@ -15,11 +15,13 @@ import multiprocessing
 import os
 import resource
 import time
+from typing import Any
 
 import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from fastfeed.doctor import system
 from fastfeed.doctor.system import ProcessTree, machine_busy_s, usage_between
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads Linux's /proc")
@@ -68,11 +70,10 @@ def test_workers_that_ended_within_the_window_are_counted():
     assert abs(usage.workers_cpu_s - children) <= 2 * TICK  # the kernel's own account
 
 
-def _spin(ready: multiprocessing.synchronize.Event, stop: multiprocessing.synchronize.Event,
-          cpu: int) -> None:
+def _spin(ready: multiprocessing.synchronize.Event, stop: Any, cpu: int) -> None:
     os.sched_setaffinity(0, {cpu})
     ready.set()
-    while not stop.is_set():
+    while not stop.value:  # a flag read without a lock: the two never block on each other
         burn(0.001)
 
 
@@ -81,7 +82,7 @@ def test_two_busy_workers_on_one_core_read_as_waiting_for_it():
     # Two workers that never sleep, pinned to the same core: between them they run at most
     # one core's time, and each is always either on the core or waiting for it.
     context = multiprocessing.get_context("fork")
-    stop = context.Event()
+    stop = context.RawValue("b", 0)
     ready = [context.Event() for _ in range(2)]
     cpu = min(os.sched_getaffinity(0))
     workers = [context.Process(target=_spin, args=(r, stop, cpu)) for r in ready]
@@ -94,18 +95,30 @@ def test_two_busy_workers_on_one_core_read_as_waiting_for_it():
         if start.processes[workers[0].pid].run_delay_s is None:
             pytest.skip("this kernel keeps no scheduler statistics")
         began = time.perf_counter()
-        time.sleep(1.0)
+        time.sleep(2.0)
         end = ProcessTree.read()
         usage = usage_between(start, end, time.perf_counter() - began)
     finally:
-        stop.set()
+        stop.value = 1
         for worker in workers:
             worker.join(10)
     assert usage.worker_processes == 2
+    assert set(start.workers()) == {w.pid for w in workers}
     assert usage.worker_busy is not None and usage.worker_waiting is not None
     assert usage.worker_busy <= 0.5 + 0.05
     assert usage.worker_waiting >= 0.5 - 0.05
     assert usage.worker_busy + usage.worker_waiting >= 1 - 0.05
+
+
+def test_the_tree_is_the_same_without_the_kernels_children_lists(monkeypatch):
+    loader = DataLoader(Burning(), batch_size=2, num_workers=2, persistent_workers=True)
+    iterator = iter(loader)
+    next(iterator)  # the workers are up
+    listed = ProcessTree.read().processes.keys()
+    monkeypatch.setattr(system, "_CHILDREN_LISTED", False)
+    scanned = ProcessTree.read().processes.keys()
+    del iterator, loader
+    assert listed == scanned and len(listed) >= 3
 
 
 def test_machine_busy_counts_only_this_process_cores(tmp_path):

@@ -55,7 +55,7 @@ class _Watch:
         self.gpu: GpuSampler | None = None
 
     def _opened(self, trace: LoaderTrace, loader: DataLoader) -> None:
-        self.opened[id(trace)] = _Opened(time.perf_counter(), ProcessTree.read(),
+        self.opened[id(trace)] = _Opened(time.perf_counter(), ProcessTree.read(memory=False),
                                          LoaderSpec.of(loader))
         if self.gpu is None:
             self.gpu = GpuSampler()  # reads this process's current GPU; fails soft without
