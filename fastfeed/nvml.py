@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["GpuSample", "NvmlStatus", "nvml_handle", "nvml_status", "sample_gpu", "sample_gpus"]
+__all__ = ["GpuSample", "NvmlStatus", "nvml_handle", "nvml_status", "sample_gpu", "sample_gpus",
+           "utilization_samples"]
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,23 @@ def sample_gpu(handle: object) -> GpuSample:
         memory_used=int(memory.used),
         memory_total=int(memory.total),
     )
+
+
+def utilization_samples(handle: object, since_us: int) -> list[tuple[int, float]]:
+    """The GPU's utilisation as the driver sampled it after ``since_us`` (microseconds since
+    the epoch, the driver's clock): ``(timestamp, percent)``, oldest first. The driver keeps
+    the last few seconds of samples, each covering its own sampling period (a sixth of a
+    second to a second, by GPU): a span shorter than the period of a thread polling
+    :func:`sample_gpu` still has one.
+
+    Raises:
+        pynvml.NVMLError: the GPU keeps no samples, or none are that recent.
+    """
+    import pynvml
+
+    _, samples = pynvml.nvmlDeviceGetSamples(handle, pynvml.NVML_GPU_UTILIZATION_SAMPLES,
+                                             since_us)
+    return sorted((int(s.timeStamp), float(s.sampleValue.uiVal)) for s in samples)
 
 
 def sample_gpus() -> list[GpuSample]:

@@ -2,8 +2,9 @@
 
 Per batch the loader records a handful of ``perf_counter`` readings (a few microseconds,
 against milliseconds per batch); workers time their own fetch and collate steps and send the
-figures with the batch. GPU utilisation and memory come from NVML on a background thread,
-sampled twice a second while a CUDA loader is iterating, and fail soft with a reason.
+figures with the batch. GPU utilisation and memory come from NVML: a background thread samples
+them twice a second while a CUDA loader is iterating, and a window too short for it (an epoch
+of a few batches) is read from the driver's own samples; without NVML, a reason.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 
 import torch
 
-from fastfeed.nvml import GpuSample, nvml_handle, nvml_status, sample_gpu
+from fastfeed.nvml import GpuSample, nvml_handle, nvml_status, sample_gpu, utilization_samples
 from fastfeed.placement import nvml_device_for
 from fastfeed.protocol import Produced
 
@@ -49,7 +50,8 @@ class LoaderStats:
         ring_slots_used, ring_slots, ring_mb: ring occupancy now (the ring grows as tasks need
             slots, up to its budget: ``ring_slots`` may be below the loader's ``ring_slots``).
         skipped_samples: samples dropped by an ``on_error="skip"`` policy.
-        gpu: NVML readings of this loader's GPU averaged over the run; empty when unavailable.
+        gpu: NVML's reading of this loader's GPU over ``elapsed_s`` (mean utilisation, peak
+            memory); empty before a batch, or without NVML.
         gpu_status: why ``gpu`` is empty, or ``"ok"``.
         decisions: the worker tuner's decisions, oldest first.
     """
@@ -116,11 +118,17 @@ class LoaderStats:
 
 
 class GpuSampler:
-    """Samples this process's GPU through NVML on a daemon thread; averages until stopped.
+    """Samples this process's GPU through NVML on a daemon thread, and reads it for a span of
+    time.
 
     Only the GPU the loader feeds is read: under DDP every rank runs a sampler, and each one
     reading every GPU of the node would multiply NVML queries by the rank count and report
     other ranks' GPUs as this loader's.
+
+    A span the thread has samples of is read from them, without an NVML call; a shorter one
+    (an epoch of a few batches, or a sampler never started) from the driver's own samples of
+    that span, else from one reading when asked: a span in which the GPU was read always
+    gets a figure.
 
     Args:
         cuda_index: the CUDA device (this process's numbering) the batches go to; ``None``:
@@ -130,9 +138,10 @@ class GpuSampler:
 
     def __init__(self, cuda_index: int | None = None, interval: float = 0.5) -> None:
         self.interval = interval
-        self._samples: list[GpuSample] = []
+        self._samples: list[tuple[float, GpuSample]] = []  # (time.perf_counter(), reading)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._started: float | None = None
         self._handle: object = None
         status = nvml_status()
         self.status = "ok" if status.available else status.reason
@@ -148,6 +157,7 @@ class GpuSampler:
     def start(self) -> None:
         if self.status != "ok" or (self._thread is not None and self._thread.is_alive()):
             return
+        self._started = time.perf_counter()
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, name="fastfeed-nvml", daemon=True)
         self._thread.start()
@@ -158,21 +168,52 @@ class GpuSampler:
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
             try:
-                self._samples.append(sample_gpu(self._handle))
+                self._samples.append((time.perf_counter(), sample_gpu(self._handle)))
             except Exception as error:  # NVML can fail mid-run (driver reset): stop quietly
                 self.status = f"{type(error).__name__}: {error}"
                 return
             del self._samples[:-600]  # the last five minutes at the default interval
 
     def average(self) -> list[GpuSample]:
-        """The mean utilisation and peak memory so far: one entry, or none before a reading."""
-        readings = list(self._samples)
-        if not readings:
+        """:meth:`reading` since :meth:`start` (a sampler never started: at this moment)."""
+        return self.reading(self._started if self._started is not None else time.perf_counter())
+
+    def reading(self, since: float, until: float | None = None) -> list[GpuSample]:
+        """The GPU's mean utilisation and peak memory between two ``time.perf_counter()``
+        times (``until``: now): one entry, or none where NVML cannot be read."""
+        until = time.perf_counter() if until is None else until
+        ours = [sample for at, sample in list(self._samples) if since <= at <= until]
+        if ours:
+            last = ours[-1]
+            return [GpuSample(last.index, last.name,
+                              sum(r.utilization for r in ours) / len(ours),
+                              max(r.memory_used for r in ours), last.memory_total)]
+        if self._handle is None:
             return []
-        last = readings[-1]
-        return [GpuSample(last.index, last.name,
-                          sum(r.utilization for r in readings) / len(readings),
-                          max(r.memory_used for r in readings), last.memory_total)]
+        try:
+            now = sample_gpu(self._handle)
+        except Exception as error:  # as in the thread: a reason, never an exception
+            self.status = f"{type(error).__name__}: {error}"
+            return []
+        busy = self._driver_utilization(since, until)
+        return [GpuSample(now.index, now.name, now.utilization if busy is None else busy,
+                          now.memory_used, now.memory_total)]
+
+    @staticmethod
+    def _wall_us(perf: float) -> int:
+        """A ``time.perf_counter()`` time on the driver's clock (microseconds since the epoch)."""
+        return int(1e6 * (time.time() - (time.perf_counter() - perf)))
+
+    def _driver_utilization(self, since: float, until: float) -> float | None:
+        """The mean of the driver's samples within the span, or of the first one after it
+        (whose period holds the span's end); ``None`` where it has none."""
+        try:
+            samples = utilization_samples(self._handle, self._wall_us(since))
+        except Exception:  # not kept on this GPU, or none that recent: read it now instead
+            return None
+        end = self._wall_us(until)
+        within = [busy for at, busy in samples if at <= end] or [busy for _, busy in samples[:1]]
+        return sum(within) / len(within) if within else None
 
 
 def batch_length(batch: Any, auto_collation: bool) -> int:
@@ -292,7 +333,8 @@ class Telemetry:
             ring_slots=allocated,
             ring_mb=(self.ring.nbytes / 2**20) if self.ring is not None else 0.0,
             skipped_samples=self.skipped,
-            gpu=gpu.average(),
+            gpu=(gpu.reading(self.first_request, self.last_delivery)
+                 if self.first_request is not None and self.last_delivery is not None else []),
             gpu_status=gpu.status,
             decisions=list(self.decisions),
         )

@@ -82,21 +82,12 @@ def test_ultralytics_training_is_diagnosed_by_stage(tmp_path):
 
 def test_ultralytics_options_are_measured_on_its_loader(tmp_path):
     pytest.importorskip("ultralytics")
-    from ultralytics.cfg import get_cfg
-    from ultralytics.data import build_dataloader, build_yolo_dataset
-    from ultralytics.utils import DEFAULT_CFG
-
     import fastfeed.ultralytics as fu
     from fastfeed.doctor.loaders import LoaderSpec
     from fastfeed.doctor.options import configurations
     from fastfeed.doctor.trials import TrialPlan, run_trials
-    from fastfeed.vision.synthetic import make_yolo
 
-    root = make_yolo(tmp_path / "yolo", images=16)
-    data = {"names": {i: f"c{i}" for i in range(8)}, "nc": 8, "channels": 3}
-    dataset = build_yolo_dataset(get_cfg(DEFAULT_CFG, {"imgsz": 64}), str(root / "images"), 4,
-                                 data, mode="train")
-    loader = build_dataloader(dataset, 4, 2, shuffle=True, rank=-1)
+    loader = yolo_loader(tmp_path)
     spec = LoaderSpec.of(loader)
     configs, _ = configurations(spec, [], None, None, 4)
     assert [c.key for c in configs] == ["yours", "patch", "fast_decode"]
@@ -105,3 +96,91 @@ def test_ultralytics_options_are_measured_on_its_loader(tmp_path):
     assert all(r.samples_per_s > 0 and not r.error for r in results.values())
     assert results["patch"].same_batches is True  # patch() keeps Ultralytics' batches
     loader.close()
+
+
+def classic_folder(tmp_path: Path):
+    from torchvision import datasets
+    from torchvision import transforms as T
+
+    from fastfeed.vision.synthetic import make_imagefolder
+
+    root = make_imagefolder(tmp_path / "folder", images=8, classes=2)
+    return datasets.ImageFolder(str(root), transform=T.Compose([
+        T.RandomResizedCrop(32), T.RandomHorizontalFlip(), T.ToTensor()]))
+
+
+def test_gpu_decode_is_offered_on_a_gpu_and_named_without_one(tmp_path):
+    pytest.importorskip("torchvision")
+    import torch
+    from torch.utils.data import DataLoader
+
+    from fastfeed.doctor.loaders import LoaderSpec
+    from fastfeed.doctor.options import configurations
+
+    spec = LoaderSpec.of(DataLoader(classic_folder(tmp_path), batch_size=4))
+    configs, unmeasured = configurations(spec, [], torch.device("cuda", 0), None, 4, cuda=True)
+    assert [c.key for c in configs] == ["yours", "swap", "accelerate", "device", "pin_memory",
+                                        "gpu_decode"]
+    assert [c.key for c in configs if c.gpu_work] == ["gpu_decode"]
+    assert 'decode_device="cuda"' in configs[-1].change and unmeasured[:1] == []
+    configs, unmeasured = configurations(spec, [], None, None, 4, cuda=False)
+    assert "gpu_decode" not in [c.key for c in configs]
+    (gpu,) = [u for u in unmeasured if "no GPU" in u.reason]
+    assert 'accelerate(dataset, decode_device="cuda")' in gpu.change
+
+
+def yolo_loader(tmp_path: Path):
+    from ultralytics.cfg import get_cfg
+    from ultralytics.data import build_dataloader, build_yolo_dataset
+    from ultralytics.utils import DEFAULT_CFG
+
+    from fastfeed.vision.synthetic import make_yolo
+
+    root = make_yolo(tmp_path / "yolo", images=16)
+    data = {"names": {i: f"c{i}" for i in range(8)}, "nc": 8, "channels": 3}
+    dataset = build_yolo_dataset(get_cfg(DEFAULT_CFG, {"imgsz": 64}), str(root / "images"), 4,
+                                 data, mode="train")
+    return build_dataloader(dataset, 4, 2, shuffle=True, rank=-1)
+
+
+def test_augment_device_is_offered_on_a_gpu_only(tmp_path):
+    pytest.importorskip("ultralytics")
+    import torch
+
+    from fastfeed.doctor.loaders import LoaderSpec
+    from fastfeed.doctor.options import configurations
+
+    loader = yolo_loader(tmp_path)
+    spec = LoaderSpec.of(loader)
+    configs, _ = configurations(spec, [], torch.device("cuda", 0), None, 4, cuda=True)
+    assert [c.key for c in configs] == ["yours", "patch", "fast_decode", "device", "pin_memory",
+                                        "augment_device"]
+    assert [c.key for c in configs if c.gpu_work] == ["augment_device"]
+    configs, unmeasured = configurations(spec, [], None, None, 4, cuda=False)
+    assert [c.key for c in configs] == ["yours", "patch", "fast_decode"]
+    (gpu,) = [u for u in unmeasured if "no GPU" in u.reason]
+    assert 'patch(augment_device="cuda")' in gpu.change
+    loader.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("script", "args", "key"), [
+    ("train_classifier.py", ["--device", "cuda", "--workers", "2", "--generate", "256",
+                             "--batch-size", "32", "--arch", "resnet18"], "gpu_decode"),
+    ("train_yolo.py", ["--device", "0", "--images", "64", "--batch", "8", "--imgsz", "320"],
+     "augment_device"),
+], ids=["gpu_decode", "augment_device"])
+def test_the_gpu_routes_are_measured_on_a_gpu(tmp_path, script, args, key):
+    found, _ = diagnose(tmp_path, "--warmup", "2", "--batches", "10", str(SCRIPTS / script),
+                        *args)
+    if found["verdict"] == "compute-bound":
+        pytest.skip("the loader is not the bottleneck here: no option is measured")
+    measured = {o["key"]: o for o in found["measured"]}
+    assert key in measured, found["unmeasured"]
+    option = measured[key]
+    assert option["gpu_work"] and option["samples_per_s"] > 0
+    recommended = {o["key"] for o in found["recommendations"]}
+    if option["training_speedup"] is not None:  # NVML measured its GPU time
+        assert option["gpu_ms_per_sample"] >= 0
+        assert (key in recommended) == (option["speedup"] >= 1.1
+                                        and option["training_speedup"] >= 1.1)

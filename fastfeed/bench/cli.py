@@ -46,7 +46,7 @@ from fastfeed.bench.data import (
     torchvision_available,
 )
 from fastfeed.bench.peers import PEERS
-from fastfeed.bench.report import write_chart, write_json, write_table
+from fastfeed.bench.report import missing_baselines, write_chart, write_json, write_table
 from fastfeed.bench.run import Job, run_in_child
 from fastfeed.progress import progress
 
@@ -128,6 +128,10 @@ def run(args: argparse.Namespace) -> int:
     note = changes_note(results)
     if note is not None:
         print(note)
+    # Stock always runs: a missing baseline is torchvision's, which did not import.
+    for config, family in missing_baselines(results).items():
+        print(f"*{config}: no speed-up: it is compared with the {family} row, which did not "
+              "run (torchvision does not import here: pip install 'fastfeed[torchvision]')")
     if not with_stall:
         print("data stall: not shown without a training step; add --step-ms or --model")
     write_json(results, {"args": {k: str(v) for k, v in vars(args).items()}, "title": title},

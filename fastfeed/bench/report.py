@@ -9,7 +9,7 @@ from typing import Any
 
 from fastfeed.bench.data import baseline, beyond_loader
 
-__all__ = ["chart", "write_chart", "write_json", "write_table"]
+__all__ = ["chart", "missing_baselines", "write_chart", "write_json", "write_table"]
 
 COLUMNS = ["config", "changes", "workers", "samples/s", "vs stock", "stall %", "first batch s",
            "peak RSS MB"]
@@ -29,11 +29,20 @@ def rows(results: list[dict[str, Any]], with_stall: bool = True) -> list[list[st
             (v for (c, _), v in stock.items() if c == family), None)
         cells = {"config": r["config"], "changes": r["changes"], "workers": str(r["workers"]),
                  "samples/s": f"{r['samples_per_s']:,.0f}",
-                 "vs stock": f"{r['samples_per_s'] / base:.2f}×" if base else "n/a",
+                 "vs stock": f"{r['samples_per_s'] / base:.2f}×" if base else "n/a*",
                  "stall %": f"{r['stall_pct']:.1f}", "first batch s": f"{r['first_batch_s']:.2f}",
                  "peak RSS MB": f"{r['peak_rss_mb']:,.0f}"}
         out.append([cells[c] for c in _columns(with_stall)])
     return out
+
+
+def missing_baselines(results: list[dict[str, Any]]) -> dict[str, str]:
+    """The configurations whose baseline did not run (``dali``'s is ``torchvision``), each
+    with that baseline: their speed-up cannot be shown (``n/a*`` in the table, and a line
+    under it says why)."""
+    ran = {r["config"] for r in results}
+    return {r["config"]: baseline(r["config"]) for r in results
+            if baseline(r["config"]) not in ran}
 
 
 def write_table(results: list[dict[str, Any]], title: str, with_stall: bool = True) -> None:

@@ -17,6 +17,7 @@ import sys
 import time
 import traceback
 import types
+from dataclasses import dataclass
 from pathlib import Path
 
 from torch.utils.data import DataLoader
@@ -32,28 +33,58 @@ from fastfeed.telemetry import GpuSampler
 __all__ = ["main", "run_script"]
 
 
+@dataclass(frozen=True)
+class _Opened:
+    """What was read when a loader's window opened: the time, the machine, the loader's
+    arguments (read now, so that the loader itself is not kept alive: a script that drops it
+    gets its persistent workers stopped as it would without the doctor)."""
+
+    at: float
+    tree: ProcessTree
+    spec: LoaderSpec
+
+
 class _Watch:
-    """Readings taken when a loader's window opens and when it closes."""
+    """Readings taken when a loader's window opens and when it closes (or the script ends)."""
 
     def __init__(self, settings: Settings) -> None:
+        self.settings = settings
         self.probe = Probe(settings.window(), on_start=self._opened, on_close=self._closed)
-        self.opened: dict[int, tuple[float, ProcessTree]] = {}
+        self.opened: dict[int, _Opened] = {}
         self.captured: Captured | None = None
         self.gpu: GpuSampler | None = None
 
     def _opened(self, trace: LoaderTrace, loader: DataLoader) -> None:
-        self.opened[id(trace)] = (time.perf_counter(), ProcessTree.read())
+        self.opened[id(trace)] = _Opened(time.perf_counter(), ProcessTree.read(memory=False),
+                                         LoaderSpec.of(loader))
         if self.gpu is None:
             self.gpu = GpuSampler()  # reads this process's current GPU; fails soft without
             self.gpu.start()
 
     def _closed(self, trace: LoaderTrace, loader: DataLoader) -> None:
-        started, tree = self.opened[id(trace)]
+        self.captured = self._capture(trace)
+
+    def _capture(self, trace: LoaderTrace) -> Captured:
+        opened = self.opened[id(trace)]
         gpu = self.gpu if self.gpu is not None else GpuSampler()
         gpu.stop()
-        self.captured = Captured(trace, LoaderSpec.of(loader), tree,
-                                 ProcessTree.read(), time.perf_counter() - started,
-                                 gpu.average(), gpu.status)
+        return Captured(trace, opened.spec, opened.tree, ProcessTree.read(),
+                        time.perf_counter() - opened.at,
+                        gpu.reading(opened.at, trace.delivered_at[-1]), gpu.status)
+
+    def script_ended(self) -> bool:
+        """The script ended with no window closed: capture the loader that completed the most
+        steps after its warm-up, if any did (an epoch shorter than the window). The machine's
+        figures then run to the script's end."""
+        warmup = self.settings.warmup
+        seen = [t for t in self.probe.traces
+                if id(t) in self.opened and len(t.computes) > warmup]
+        if not seen:
+            return False
+        trace = max(seen, key=lambda t: len(t.computes))
+        trace.gpu.finish()
+        self.captured = self._capture(trace)
+        return True
 
 
 def _script_frames(error: BaseException, script: str) -> traceback.TracebackException:
@@ -108,13 +139,11 @@ def run_script(script: str, args: list[str], probe: Probe) -> str | None:
 
 
 def _ended_early(delivered: int, settings: Settings) -> str:
-    """Why the window did not close, and a window that would have (the last batch's step
-    ends only if the script asks for another)."""
-    fits = delivered - settings.warmup - 1
-    hint = (f"--batches {fits}" if fits >= 1 else
-            f"--warmup 1 --batches {delivered - 2}" if delivered >= 3 else "a longer run")
-    return (f"it ended after {delivered} batches, before the window of {settings.warmup} "
-            f"warm-up batches and {settings.batches} steps closed (try {hint})")
+    """Why there is no step to report on (the script ended within the warm-up), and a
+    warm-up that would leave some."""
+    hint = f"--warmup {delivered - 2}" if delivered >= 3 else "a longer run"
+    return (f"it ended after {delivered} batches, within the {settings.warmup} warm-up "
+            f"batches: no training step was measured (try {hint})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -129,12 +158,14 @@ def main(argv: list[str] | None = None) -> int:
     gc.collect()  # the script's iterators, and the workers they hold, go now
     stopped = watch.probe.closed
     delivered = max((t.batches for t in watch.probe.traces), default=0)
+    # A run shorter than the window is reported on the steps it had, if it had any.
+    seen = stopped or (error is None and delivered > 0 and watch.script_ended())
     base = Diagnosis(outcome="", script=script, argv=args)
     if not stopped and error is not None:
         base.outcome, base.message = SCRIPT_FAILED, f"it failed before the window closed: {error}"
     elif not stopped and delivered == 0:
         base.outcome, base.message = NO_LOADER, "it never iterated a DataLoader"
-    elif not stopped or watch.captured is None:
+    elif not seen or watch.captured is None:
         base.outcome, base.message = ENDED_EARLY, _ended_early(delivered, settings)
     else:
         base = diagnose(base, watch.captured, watch.probe, settings)

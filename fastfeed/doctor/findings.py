@@ -35,7 +35,10 @@ class Stage:
 class Option:
     """A configuration measured loader-alone: the line to paste, its median samples/s (of
     ``rates``, one per repeat), its speed-up over the script's loader and whether it kept the
-    batches (``None``: unknown)."""
+    batches (``None``: unknown). ``gpu_work``: it runs work of its own on the GPU, whose time
+    per sample (beyond the script's loader's) is ``gpu_ms_per_sample`` where NVML measured
+    it; ``training_speedup``: for such an option, the most training can gain once the model
+    step shares the GPU with it."""
 
     change: str
     speedup: float
@@ -44,6 +47,9 @@ class Option:
     key: str = ""
     note: str = ""
     rates: list[float] = field(default_factory=list)
+    gpu_work: bool = False
+    gpu_ms_per_sample: float | None = None
+    training_speedup: float | None = None
 
 
 @dataclass

@@ -132,10 +132,12 @@ class LoaderSpec:
         return {name: value for name, value in self.options.items()
                 if value is not _FAST_OPTIONS[name] and value != _FAST_OPTIONS[name]}
 
-    def build(self, fast: bool | None = None, dataset: Any = None, **changes: Any
-              ) -> DataLoader:
+    def build(self, fast: bool | None = None, dataset: Any = None,
+              kind: type[DataLoader] | None = None, **changes: Any) -> DataLoader:
         """The loader again: a FastLoader if ``fast`` (default: as the script's), over
-        ``dataset`` (default: the script's), with ``changes`` to its arguments."""
+        ``dataset`` (default: the script's), with ``changes`` to its arguments. ``kind``: a
+        loader class of the same contract to build instead (a FastLoader subclass if
+        ``fast``)."""
         fast = self.fast if fast is None else fast
         arguments = {**self.arguments, **(self.options if fast else {}), **changes}
         if "num_workers" in changes and changes["num_workers"] == 0:
@@ -143,8 +145,19 @@ class LoaderSpec:
             arguments["persistent_workers"] = False
         if not fast and arguments["num_workers"] == "auto":
             raise ValueError("num_workers='auto' needs FastLoader")
-        kind = FastLoader if fast else DataLoader
+        kind = kind or (FastLoader if fast else DataLoader)
         return kind(self.dataset if dataset is None else dataset, **arguments)
+
+    def inner_batch_sampler(self) -> Any:
+        """The batch sampler a repeating one wraps (Ultralytics' ``_RepeatSampler``), for a
+        loader class that repeats it itself; the batch sampler itself otherwise."""
+        sampler = original = self.arguments.get("batch_sampler")
+        for _ in range(3):
+            if isinstance(sampler, torch.utils.data.BatchSampler):
+                return sampler
+            inner = getattr(sampler, "sampler", None)
+            sampler = inner if inner is not None else getattr(sampler, "batch_sampler", None)
+        return original
 
     def reset_random(self, seed: int = 0) -> None:
         """Seed the global generators and set the loader's own back to their first state."""

@@ -21,6 +21,7 @@ from fastfeed.doctor.findings import REPORT, Diagnosis, Option, Stage, Unmeasure
 from fastfeed.doctor.loaders import LoaderSpec
 from fastfeed.doctor.options import configurations, workers_settle, yours
 from fastfeed.doctor.probe import LoaderTrace, Probe
+from fastfeed.doctor.recommend import recommend
 from fastfeed.doctor.settings import Settings
 from fastfeed.doctor.stages import COLLATE, StageCost, profile_samples
 from fastfeed.doctor.system import ProcessTree, usage_between
@@ -32,8 +33,9 @@ from fastfeed.doctor.trials import (
     run_trials,
     settle_workers,
 )
-from fastfeed.doctor.verdict import MIN_SPEEDUP, judge
+from fastfeed.doctor.verdict import judge
 from fastfeed.nvml import GpuSample
+from fastfeed.telemetry import GpuSampler
 
 __all__ = ["Captured", "Steps", "diagnose"]
 
@@ -159,7 +161,9 @@ def _describe_window(diagnosis: Diagnosis, captured: Captured, probe: Probe,
     diagnosis.other_loaders = [{"class": t.name, "batches": t.batches}
                                for t in probe.traces if t is not trace]
     diagnosis.window = {"warmup_batches": settings.warmup, "steps": len(steps.waits),
-                        "seconds": steps.total_s, "stopped": not settings.let_finish}
+                        "seconds": steps.total_s, "batches": trace.batches,
+                        "stopped": probe.closed and not settings.let_finish,
+                        "script_ended": not probe.closed, "window_steps": settings.batches}
     diagnosis.timeline_ms = {"wait": [1000 * w for w in steps.waits],
                              "compute": [1000 * c for c in steps.computes]}
     usage = usage_between(captured.start, captured.end, captured.seconds)
@@ -209,16 +213,15 @@ def _offer(diagnosis: Diagnosis, results: list[Result], unmeasured: list[Unmeasu
     """The options measured, the recommended ones, and what could not be measured; only the
     script's loader's ceiling when the loader is not the bottleneck."""
     options = [Option(r.change, r.speedup, r.same_batches, r.samples_per_s, r.key, r.note,
-                      r.rates) for r in results if not r.error and (r.key == BASELINE or r.change)]
+                      r.rates, r.gpu_work, r.gpu_ms_per_sample)
+               for r in results if not r.error and (r.key == BASELINE or r.change)]
     failed = [Unmeasured(r.change or "your loader, rebuilt", f"its run failed: {r.error}")
               for r in results if r.error]
     if not loader_helps:
         diagnosis.measured = options[:1]
         return
-    diagnosis.measured = options
-    diagnosis.recommendations = sorted(
-        (o for o in options if o.change and o.speedup >= MIN_SPEEDUP),
-        key=lambda o: o.speedup, reverse=True)
+    diagnosis.measured, diagnosis.recommendations = recommend(
+        options, diagnosis.consumer_samples_per_s or 0.0, diagnosis.model_samples_per_s)
     diagnosis.unmeasured = unmeasured + failed
 
 
@@ -233,11 +236,19 @@ def diagnose(diagnosis: Diagnosis, captured: Captured, probe: Probe, settings: S
     _progress(f"window closed after {len(steps.waits)} steps (training waited "
               f"{100 * stall:.0f}%); timing the dataset's stages")
     stages, batch = _profile(diagnosis, spec, settings)
+    device = _device()
+    gpu = GpuSampler(device.index) if device is not None else None
     plan = TrialPlan(spec, settings.trial_batches, settings.trial_seconds, settings.repeats,
-                     _device())
-    results, unmeasured = _measure_options(spec, stages, plan, settings,
-                                           _startup_share(diagnosis, spec, steps), stall,
-                                           consumer)
+                     device, gpu)
+    if gpu is not None:
+        gpu.start()
+    try:
+        results, unmeasured = _measure_options(spec, stages, plan, settings,
+                                               _startup_share(diagnosis, spec, steps), stall,
+                                               consumer)
+    finally:
+        if gpu is not None:
+            gpu.stop()
     ceiling = None if results[0].error else results[0].samples_per_s
     verdict = judge(stall, consumer, ceiling)
     diagnosis.outcome = REPORT

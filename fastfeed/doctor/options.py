@@ -10,7 +10,11 @@ The script's own loader comes first (``"yours"``); then the lines of fastfeed th
 - ``patch`` and ``fast_decode``: ``fastfeed.ultralytics.patch()``, for an Ultralytics dataset;
 - ``persistent``: ``persistent_workers=True``, when starting workers is a sizeable share of a
   short epoch;
-- ``device`` and ``pin_memory``: when the script trains on a GPU.
+- ``device`` and ``pin_memory``, and the GPU's own work where it applies: ``gpu_decode``
+  (``accelerate(dataset, decode_device="cuda")`` with ``FastLoader(device="cuda")``) and
+  ``augment_device`` (``patch(augment_device="cuda")``): when the script trains on a GPU. The
+  last two take GPU time from the model's step: they are offered only with a measured gain
+  that outweighs it (:mod:`~fastfeed.doctor.recommend`).
 
 What applies but cannot be measured here (pillow-simd when it is not installed, the GPU options
 on a machine without one) is returned as :class:`~fastfeed.doctor.findings.Unmeasured`, with
@@ -27,14 +31,14 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import IterableDataset
+from torch.utils.data import DataLoader, IterableDataset
 
 from fastfeed.doctor.findings import Unmeasured
 from fastfeed.doctor.loaders import LoaderSpec
 from fastfeed.doctor.stages import DECODE, StageCost
 from fastfeed.doctor.trials import BASELINE, Config
 
-__all__ = ["configurations", "workers_settle", "yours"]
+__all__ = ["configurations", "gpu_routes", "workers_settle", "yours"]
 
 # Decode functions that open images with Pillow (torchvision's, and by name a user's).
 _PILLOW_LOADERS = ("pil_loader", "default_loader", "PIL", "pil")
@@ -71,12 +75,21 @@ def _accelerate(spec: LoaderSpec) -> tuple[Config | None, Unmeasured | None]:
                   note="your transforms' random draws, pixels within a few grey levels"), None
 
 
+def _ultralytics_loader(spec: LoaderSpec) -> DataLoader:
+    """The loader ``patch()`` makes of the script's: Ultralytics' loader class as patched,
+    over the batch sampler that Ultralytics' own loader repeats."""
+    from ultralytics.data import build
+
+    return spec.build(fast=True, kind=build.InfiniteDataLoader,
+                      batch_sampler=spec.inner_batch_sampler())
+
+
 def _ultralytics(spec: LoaderSpec) -> list[Config]:
     import fastfeed.ultralytics as fu
 
     if fu.is_patched():  # the script patched it itself: its loader is measured as it is
         return []
-    build = lambda: spec.build(fast=True)  # noqa: E731
+    build = lambda: _ultralytics_loader(spec)  # noqa: E731
     return [Config("patch", "fastfeed.ultralytics.patch()   # before model.train(...)", build,
                    context=_ultralytics_patched),
             Config("fast_decode", "fastfeed.ultralytics.patch(fast_decode=True)", build,
@@ -133,17 +146,55 @@ def _persistent(spec: LoaderSpec, startup_share: float | None, trial_batches: in
                    note="timed over whole epochs, start-up included")], []
 
 
-def _gpu(spec: LoaderSpec, device: torch.device | None) -> tuple[list[Config], list[Unmeasured]]:
+def _gpu_decode(spec: LoaderSpec, device: torch.device) -> Config:
+    """``accelerate(dataset, decode_device=...)``: the JPEGs decoded on the script's GPU, in a
+    FastLoader that delivers there."""
+    from fastfeed.vision.accelerate import accelerate
+
+    def build() -> DataLoader:
+        fast = accelerate(spec.dataset, decode_device=str(device))
+        return spec.build(fast=True, dataset=fast, device=str(device))
+
+    return Config("gpu_decode", f'dataset = fastfeed.vision.accelerate(dataset, decode_device='
+                  f'"{device.type}")   # with FastLoader(device="{device.type}")', build,
+                  gpu_work=True, note="decodes on the GPU, which your model step shares")
+
+
+def _augment_device(spec: LoaderSpec, device: torch.device) -> Config:
+    """``patch(augment_device=...)``: Ultralytics' warp, HSV and flips on the script's GPU."""
+    return Config("augment_device", f'fastfeed.ultralytics.patch(augment_device="{device.type}")',
+                  lambda: _ultralytics_loader(spec),
+                  context=lambda: _ultralytics_patched(augment_device=str(device)),
+                  gpu_work=True, note="augments on the GPU, which your model step shares")
+
+
+def gpu_routes(accelerates: bool, ultralytics: bool) -> list[str]:
+    """The GPU changes that apply to a loader: the device copy for any, GPU decode for a
+    torchvision pipeline that :func:`fastfeed.vision.accelerate` recognises, GPU augmentation
+    for an Ultralytics dataset."""
+    return (['device="cuda", pin_memory=True']
+            + (['accelerate(dataset, decode_device="cuda")'] if accelerates else [])
+            + (['fastfeed.ultralytics.patch(augment_device="cuda")'] if ultralytics else []))
+
+
+def _gpu(spec: LoaderSpec, device: torch.device | None, accelerates: bool, ultralytics: bool,
+         cuda: bool) -> tuple[list[Config], list[Unmeasured]]:
+    """The GPU options, measured where the script trains on a GPU; named, unmeasured, where
+    the machine has none; nothing where the script trains on the CPU of a GPU machine."""
     if device is None:
-        return [], ([] if torch.cuda.is_available() else [
-            Unmeasured('device="cuda", pin_memory=True', "no GPU on this machine")])
-    if spec.options.get("device") is not None:  # a FastLoader that delivers there already
-        return [], []
-    configs = [Config("device", f'FastLoader(..., device="{device.type}")',
-                      lambda: spec.build(fast=True, device=str(device)))]
-    if not spec.arguments["pin_memory"]:
-        configs.append(Config("pin_memory", "DataLoader(..., pin_memory=True)",
-                              lambda: spec.build(pin_memory=True)))
+        return [], ([] if cuda else [Unmeasured(", ".join(gpu_routes(accelerates, ultralytics)),
+                                                "no GPU on this machine")])
+    configs = []
+    if spec.options.get("device") is None:  # not a FastLoader that delivers there already
+        configs.append(Config("device", f'FastLoader(..., device="{device.type}")',
+                              lambda: spec.build(fast=True, device=str(device))))
+        if not spec.arguments["pin_memory"]:
+            configs.append(Config("pin_memory", "DataLoader(..., pin_memory=True)",
+                                  lambda: spec.build(pin_memory=True)))
+    if accelerates:
+        configs.append(_gpu_decode(spec, device))
+    if ultralytics:
+        configs.append(_augment_device(spec, device))
     return configs, []
 
 
@@ -159,7 +210,8 @@ def _pillow(stages: list[StageCost]) -> list[Unmeasured]:
 
 def configurations(spec: LoaderSpec, stages: list[StageCost], device: torch.device | None,
                    startup_share: float | None, trial_batches: int,
-                   settled_workers: int | None = None) -> tuple[list[Config], list[Unmeasured]]:
+                   settled_workers: int | None = None, cuda: bool | None = None
+                   ) -> tuple[list[Config], list[Unmeasured]]:
     """The script's loader and the options that apply to it, and those that cannot be measured.
 
     Args:
@@ -171,20 +223,26 @@ def configurations(spec: LoaderSpec, stages: list[StageCost], device: torch.devi
             persistent workers to show).
         settled_workers: the count ``num_workers="auto"`` settled on, where it was let settle
             (:func:`workers_settle`).
+        cuda: whether the machine has a GPU (default: ``torch.cuda.is_available()``).
     """
     configs = [yours(spec)]
     unmeasured: list[Unmeasured] = []
-    if _from(spec.dataset, "ultralytics"):
+    ultralytics = _from(spec.dataset, "ultralytics")
+    if ultralytics:
         configs += _ultralytics(spec)
     elif not spec.fast:
         configs.append(Config("swap", "from fastfeed import FastLoader as DataLoader",
                               lambda: spec.build(fast=True)))
     configs += _workers(spec, settled_workers)
+    accelerated = None
     if _from(spec.dataset, "torchvision"):
-        config, skipped = _accelerate(spec)
-        configs += [config] if config is not None else []
+        accelerated, skipped = _accelerate(spec)
+        configs += [accelerated] if accelerated is not None else []
         unmeasured += [skipped] if skipped is not None else []
-    for more, cannot in (_persistent(spec, startup_share, trial_batches), _gpu(spec, device)):
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    for more, cannot in (_persistent(spec, startup_share, trial_batches),
+                         _gpu(spec, device, accelerated is not None,
+                              ultralytics and any(c.key == "patch" for c in configs), cuda)):
         configs += more
         unmeasured += cannot
     return configs, unmeasured + _pillow(stages)

@@ -7,8 +7,11 @@ the loader is not the bottleneck the report says so, and offers nothing.
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastfeed.doctor.findings import Diagnosis, Option, Stage
-from fastfeed.doctor.verdict import COMPUTE_BOUND
+from fastfeed.doctor.system import CPU_BOUND, SATURATED
+from fastfeed.doctor.verdict import COMPUTE_BOUND, MIN_SPEEDUP
 
 __all__ = ["format_report"]
 
@@ -30,7 +33,10 @@ def _loader_line(d: Diagnosis) -> str:
 
 def _header(d: Diagnosis) -> list[str]:
     window = d.window
-    end = "then stopped" if window.get("stopped") else "then left to finish"
+    end = ("then stopped" if window.get("stopped") else
+           f"until the script ended, after {window.get('batches')} batches: its run was "
+           f"shorter than the window of {window.get('window_steps')} steps"
+           if window.get("script_ended") else "then left to finish")
     lines = [f"fastfeed doctor: {' '.join([d.script, *d.argv])}", _loader_line(d),
              f"  watched {window.get('steps')} training steps after {window.get('warmup_batches')}"
              f" warm-up batches ({window.get('seconds', 0):.1f} s), {end}"]
@@ -70,15 +76,28 @@ def _stages(title: str, stages: list[Stage], unit_total: bool) -> list[str]:
     return lines
 
 
+def _cores(s: dict[str, Any]) -> str:
+    """The cores, what this training used of them, and what the machine did besides."""
+    line = f"{s.get('cpu_cores')} CPU cores"
+    ours, machine = s.get("cores_used"), s.get("machine_cores_used")
+    if machine is not None and ours is not None:
+        others = max(0.0, machine - ours)
+        full = (": all busy" if s.get("cpu_cores") and machine >= SATURATED * s["cpu_cores"]
+                else "")
+        return (line + f", {machine:.1f} in use ({ours:.1f} by this training, {others:.1f} by "
+                f"other processes{full})")
+    return line + (f", {ours:.1f} in use by this training" if ours is not None else "")
+
+
 def _system(d: Diagnosis) -> list[str]:
     s = d.system
-    parts = [f"{s.get('cpu_cores')} CPU cores"]
-    if s.get("cores_used") is not None:
-        parts[0] += f", {s['cores_used']:.1f} in use"
+    parts = [_cores(s)]
     if s.get("worker_processes"):
-        busy = s.get("worker_busy")
+        busy, waiting = s.get("worker_busy"), s.get("worker_waiting")
         parts.append(f"{s['worker_processes']} child processes (workers)"
-                     + (f" {100 * busy:.0f}% busy (CPU)" if busy is not None else ""))
+                     + (f" {100 * busy:.0f}% on a CPU" if busy is not None else "")
+                     + (f", {100 * waiting:.0f}% waiting for one" if waiting is not None
+                        else ""))
     if s.get("main_memory_mb") is not None:
         workers = s.get("workers_memory_mb")
         parts.append(f"memory {s['main_memory_mb']:,.0f} MB main process"
@@ -86,7 +105,22 @@ def _system(d: Diagnosis) -> list[str]:
     gpus = s.get("gpu") or []
     parts.append(", ".join(f"GPU {g['name']} {g['utilization']:.0f}% busy (NVML)" for g in gpus)
                  if gpus else f"GPU utilisation: n/a ({s.get('gpu_status')})")
-    return ["", "Machine: " + "; ".join(parts)]
+    return ["", "Machine: " + "; ".join(parts), *_saturated(s)]
+
+
+def _saturated(s: dict[str, Any]) -> list[str]:
+    """What CPU-bound workers on all-busy cores mean: they wait for a core, not for work,
+    however low their own share of CPU reads."""
+    machine, cores = s.get("machine_cores_used"), s.get("cpu_cores")
+    busy, waiting = s.get("worker_busy"), s.get("worker_waiting")
+    if (machine is None or not cores or machine < SATURATED * cores or busy is None
+            or waiting is None or busy + waiting < CPU_BOUND):
+        return []
+    others = max(0.0, machine - (s.get("cores_used") or 0.0))
+    return [f"  The workers are CPU-bound on cores that were all in use ({others:.1f} of them "
+            f"by other processes): they waited for a core {100 * waiting:.0f}% of the time. "
+            "More workers would share the same cores; less CPU work per sample (the stages "
+            "above), or fewer other processes, would help."]
 
 
 def _same(option: Option) -> str:
@@ -104,7 +138,10 @@ def _options(d: Diagnosis) -> list[str]:
     width = max((len(o.change) for o in options), default=0)
     for o in options:
         note = f"; {o.note}" if o.note else ""
-        gain = "" if o.key in recommended else "  (no gain measured)"
+        gain = ("" if o.key in recommended else
+                "  (not recommended: the GPU time it takes from the model step outweighs it)"
+                if o.training_speedup is not None and o.speedup >= MIN_SPEEDUP else
+                "  (no gain measured)")
         lines.append(f"  {o.speedup:5.2f}×  {o.change.ljust(width)}  {_same(o)}{note}{gain}")
     if not options:
         lines.append("  (no fastfeed option applies to this loader)")

@@ -9,14 +9,16 @@ what it recognises, taken off again after:
 - the dataset's **decode**: its ``loader`` (torchvision: open and decode) or ``load_image``
   (Ultralytics: read, decode and resize);
 - each **transform** of a list ``.transforms`` (torchvision's ``Compose`` v1 and v2,
-  Ultralytics' ``Compose``, anything shaped like them), nested lists included, by class name;
-  a single transform that is not a list, as a whole;
+  Ultralytics' ``Compose``, anything shaped like them), or of a dataset's ``transform`` or
+  ``transforms`` that is itself a list or tuple, nested lists included, by class name; a
+  single transform that is not a list, as a whole;
 - the rest of ``__getitem__``, and the **collate**, per sample.
 
 Times are exclusive, as a profiler's "self" time: a stage that calls another (Ultralytics'
 Mosaic loads three more images through ``load_image``) is charged only its own work, so the
 stages add up to the sample's cost. Transforms are wrapped in place in their lists (a
-torchvision dataset's ``StandardTransform`` holds the same ``Compose``) and given back after.
+torchvision dataset's ``StandardTransform`` holds the same ``Compose``), a tuple replaced by
+a tuple of timed ones, and given back after.
 """
 
 from __future__ import annotations
@@ -103,16 +105,26 @@ class _Instruments:
         setattr(obj, attr, _Timed(getattr(obj, attr), name, kind, self.clock))
         self._undo.append(lambda: setattr(obj, attr, before) if had else delattr(obj, attr))
 
-    def pipeline(self, transforms: list[Any]) -> None:
-        """Time each entry of a list of transforms, in place, and the lists inside them."""
-        original = list(transforms)
-        self._undo.append(lambda: transforms.__setitem__(slice(None), original))
-        for i, transform in enumerate(original):
-            transforms[i] = _Timed(transform, self.name(type(transform).__name__), TRANSFORM,
-                                   self.clock)
-            inner = getattr(transform, "transforms", None)
-            if isinstance(inner, list):
-                self.pipeline(inner)
+    def sequence(self, owner: Any, attr: str) -> bool:
+        """Time each transform of ``owner.attr``, a list (in place) or a tuple (replaced), and
+        the lists inside them; False when it is neither."""
+        transforms = getattr(owner, attr, None)
+        if isinstance(transforms, list):
+            original = list(transforms)
+            self._undo.append(lambda: transforms.__setitem__(slice(None), original))
+            transforms[:] = [self._timed(t) for t in original]
+            return True
+        if isinstance(transforms, tuple):
+            had = attr in vars(owner)
+            setattr(owner, attr, tuple(self._timed(t) for t in transforms))
+            self._undo.append(lambda: setattr(owner, attr, transforms) if had
+                              else delattr(owner, attr))
+            return True
+        return False
+
+    def _timed(self, transform: Any) -> _Timed:
+        self.sequence(transform, "transforms")  # a Compose, RandomApply, ... inside the list
+        return _Timed(transform, self.name(type(transform).__name__), TRANSFORM, self.clock)
 
     def dataset(self, dataset: Any) -> None:
         """Put timers on ``dataset`` and on the datasets it wraps (``.dataset``)."""
@@ -126,9 +138,9 @@ class _Instruments:
                 self.attribute(level, "load_image", "load_image (read, decode, resize)", DECODE)
             for attr in ("transform", "transforms"):
                 pipeline = state.get(attr)
-                transforms = getattr(pipeline, "transforms", None)
-                if isinstance(transforms, list):
-                    self.pipeline(transforms)
+                # A plain list of transforms, or an object holding one (Compose-shaped).
+                if ((isinstance(pipeline, (list, tuple)) and self.sequence(level, attr))
+                        or self.sequence(pipeline, "transforms")):
                     break
                 if attr == "transform" and callable(pipeline):
                     self.attribute(level, attr, type(pipeline).__name__, TRANSFORM)

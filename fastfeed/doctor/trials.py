@@ -34,7 +34,7 @@ from fastfeed.doctor.fingerprint import fingerprint, resolve
 from fastfeed.doctor.loaders import LoaderSpec
 from fastfeed.loader import FastLoader
 from fastfeed.progress import progress
-from fastfeed.telemetry import batch_length
+from fastfeed.telemetry import GpuSampler, batch_length
 from fastfeed.tree import map_tensors
 
 __all__ = ["BASELINE", "Config", "Result", "TrialPlan", "ready_ms", "run_trials",
@@ -59,6 +59,8 @@ class Config:
         epochs: time whole epochs, their start included, after a first one (what persistent
             workers change); by default a run times the steady pace within the first epoch.
         against: the key of the configuration its speed-up is measured against.
+        gpu_work: it runs work of its own on the GPU (decode, augmentation), which training's
+            model step would share: its GPU time per sample is measured.
     """
 
     key: str
@@ -68,6 +70,7 @@ class Config:
     note: str = ""
     epochs: bool = False
     against: str = BASELINE
+    gpu_work: bool = False
 
 
 @dataclass
@@ -75,6 +78,7 @@ class _Run:
     rate: float
     fingerprints: list[tuple[Any, ...]]
     ready_ms: list[float]
+    gpu_s_per_sample: float | None = None
 
 
 @dataclass
@@ -90,6 +94,8 @@ class Result:
     same_batches: bool | None
     note: str = ""
     error: str = ""
+    gpu_work: bool = False
+    gpu_ms_per_sample: float | None = None  # GPU time beyond the configuration it is against
 
 
 @dataclass(frozen=True)
@@ -118,6 +124,7 @@ class TrialPlan:
     seconds: float = 10.0
     repeats: int = 3
     device: torch.device | None = None
+    gpu: GpuSampler | None = None  # the device's utilisation: what the GPU options cost it
     results: dict[str, list[_Run]] = field(default_factory=dict)
 
     def shape(self, config: Config, loader: DataLoader) -> _Shape:
@@ -136,6 +143,12 @@ class TrialPlan:
         if length is not None:
             timed = max(1, min(timed, (length - warmup) // rounds))
         return _Shape(warmup, timed * rounds, rounds, prefetched)
+
+    def gpu_s(self, since: float, until: float) -> float | None:
+        """Seconds the GPU was busy between two ``time.perf_counter()`` times (NVML's share
+        of time a kernel ran); ``None`` without a GPU or NVML."""
+        reading = self.gpu.reading(since, until) if self.gpu is not None else []
+        return reading[0].utilization / 100 * (until - since) if reading else None
 
     def consume(self, batch: Any) -> Any:
         device = self.device
@@ -200,12 +213,14 @@ def _run_once(config: Config, plan: TrialPlan) -> _Run:
                     break
             if plan.device is not None and plan.device.type == "cuda":
                 torch.cuda.synchronize(plan.device)
-            elapsed = time.perf_counter() - start
+            end = time.perf_counter()
         finally:
             batches.close()  # ends the epoch's iterator: its workers stop
             del batches, loader
             gc.collect()
-    return _Run(samples / elapsed, resolve(prints), ready)
+    gpu_s = plan.gpu_s(start, end)
+    return _Run(samples / (end - start), resolve(prints), ready,
+                gpu_s / samples if gpu_s is not None and samples else None)
 
 
 def _same(runs: list[_Run], baseline: list[_Run]) -> bool | None:
@@ -217,6 +232,16 @@ def _same(runs: list[_Run], baseline: list[_Run]) -> bool | None:
         run.fingerprints[:len(reference)] == reference[:len(run.fingerprints)]
         for run in baseline[1:])
     return False if reproducible else None
+
+
+def _extra_gpu_ms(runs: list[_Run], against: list[_Run]) -> float | None:
+    """Milliseconds of GPU time per sample beyond the configuration it is compared with
+    (medians of the runs; its copies to the GPU, say, the script's loader makes too)."""
+    mine = [r.gpu_s_per_sample for r in runs if r.gpu_s_per_sample is not None]
+    theirs = [r.gpu_s_per_sample for r in against if r.gpu_s_per_sample is not None]
+    if not mine or not theirs:
+        return None
+    return 1000 * max(0.0, statistics.median(mine) - statistics.median(theirs))
 
 
 def run_trials(configs: list[Config], plan: TrialPlan, desc: str = "fastfeed doctor"
@@ -248,7 +273,10 @@ def run_trials(configs: list[Config], plan: TrialPlan, desc: str = "fastfeed doc
         results.append(Result(config.key, config.change, rates[config.key],
                               [run.rate for run in done],
                               rates[config.key] / base if base else 0.0,
-                              _same(done, against) if against else None, config.note))
+                              _same(done, against) if against else None, config.note,
+                              gpu_work=config.gpu_work,
+                              gpu_ms_per_sample=_extra_gpu_ms(done, against)
+                              if config.gpu_work else None))
     return results
 
 
