@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything that needs a GPU, as ONE device call of at most 8 minutes on a bare GPU machine that
 # has no package index (pip and apt cannot download there). Prepare the carried files first, on
-# a machine with an index: bash benchmarks/gpu_carry.sh (wheels and libjpeg into .whl/).
+# a machine with an index: bash benchmarks/gpu_carry.sh (wheels and libjpeg into .whl/). Then,
+# with the device tool: command "bash benchmarks/gpu_suite.sh", carry [".whl"], timeout_s 480.
 #
 # Stages, in the order of the default run:
 #   tests       the GPU-marked tests
