@@ -117,13 +117,14 @@ timeout 150 python3 setup.py build_ext --inplace -j "$cores" >"$logs/build.log" 
     || die 1 "building the C++ extensions failed or took over 150 s (see build.log)"
 printf 'build\t0\t%s\n' "$(( SECONDS - start ))" >>"$logs/stages.tsv"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-for module in fastfeed._C fastfeed._warp fastfeed._jpeg; do
+for module in fastfeed._C fastfeed._warp; do  # benchmarks without them measure fallbacks
     python3 -c "import $module" >>"$logs/build.log" 2>&1 \
         || die 1 "extension $module did not build or does not import (see build.log)"
 done
 python3 -m fastfeed info 2>&1 | tee "$logs/info.txt"
 grep -q "JPEG window decoder *: libjpeg" "$logs/info.txt" \
-    || note "the JPEG window decoder is not in use here (info.txt): window decodes measure Pillow"
+    || note "the JPEG window decoder is not in use (info.txt; carry .whl/libjpeg with" \
+        "gpu_carry.sh): window decodes measure Pillow"
 has pytest_timeout || note "pytest-timeout is missing: the suite runs without a per-test timeout"
 has xdist || note "pytest-xdist is missing: the suite runs in one process"
 pack
