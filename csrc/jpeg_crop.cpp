@@ -33,11 +33,6 @@
 
 namespace py = pybind11;
 
-namespace {
-
-#define FASTFEED_STR2(x) #x
-#define FASTFEED_STR(x) FASTFEED_STR2(x)
-
 #ifdef FASTFEED_JPEG_STATIC
 // The static libjpeg.a of a distribution is built for executables: its one reference to
 // libc's data, jerror.c's stderr, cannot be relocated in a shared object. setup.py links a
@@ -45,6 +40,11 @@ namespace {
 extern "C" __attribute__((visibility("hidden"))) FILE* fastfeed_jpeg_stderr;
 FILE* fastfeed_jpeg_stderr = stderr;
 #endif
+
+namespace {
+
+#define FASTFEED_STR2(x) #x
+#define FASTFEED_STR(x) FASTFEED_STR2(x)
 
 struct ErrorManager {
     jpeg_error_mgr base;
