@@ -1,109 +1,156 @@
 #!/usr/bin/env bash
-# Everything that needs a GPU, for a fresh GPU machine with nothing but this repository:
-#   tests     the GPU-marked tests (among them a dataclass batch with device="cuda")
-#   pinned    ring slots of a CUDA loader are page-locked (cudaPointerGetAttributes)
-#   dali      DALI on the GPU: tests/test_dali.py, its GPU tests included (whole epochs after a
-#             break among them; needs DALI)
-#   nvjpeg    the nvjpeg backend's GPU tests: greyscale JPEGs, a PNG named .JPEG and a CMYK
-#             JPEG among them (needs torchvision)
-#   overhead  benchmarks/overhead.py (adds H2D from the ring against the pinned peak)
-#   train     benchmarks/train_step.py, ResNet-50 (bs 256, AMP, channels_last) and YOLO-like
-#   images    benchmarks/images.py: nvjpeg against the CPU path at 16 workers
-#   yolo      the batch pixel ops of fastfeed.ultralytics' augment_device on the GPU and, where
-#             Ultralytics and OpenCV are installed, its YOLO loader: stock, patched, augment_device
-#   yolo_train  where Ultralytics is installed: yolov8n training, images/s and data stall
-#   doctor    fastfeed doctor on a stock torchvision ResNet-50 script and, where Ultralytics is
-#             installed, a stock YOLO training run (tests/doctor_scripts/): report and JSON each
-# With no arguments it runs all of them (about 20 minutes on an H100); name stages to split the
-# work across device calls: bash benchmarks/gpu_suite.sh tests pinned
-# Logs and JSON go under $OUT when it is set (the device tool), else benchmarks/out/.
+# Everything that needs a GPU, as ONE device call of at most 8 minutes on a bare GPU machine that
+# has no package index (pip and apt cannot download there). Prepare the carried files first, on
+# a machine with an index: bash benchmarks/gpu_carry.sh (wheels and libjpeg into .whl/). Then,
+# with the device tool: command "bash benchmarks/gpu_suite.sh", carry [".whl"], timeout_s 480.
 #
-# Setup, before any stage; the script stops with exit 2 and says why where it cannot:
-# - python3 must hold a torch that sees a GPU; that torch is never reinstalled (pip gets it as
-#   a constraint).
-# - setuptools, pybind11 and pytest are required; the extras (test, dali, torchvision) are
-#   installed where pip can reach an index. A machine that cannot download uses what it has
-#   plus wheels carried in .whl/ (git-ignored), e.g.
-#     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl \
-#         ultralytics==8.4.190 ultralytics-thop==2.2.3
-# - The C++ extensions are built in place against that python; one that does not build or
-#   import stops the suite (exit 1): benchmarks without them would measure the fallbacks.
+# Stages, in the order of the default run:
+#   tests       the GPU-marked tests
+#   pinned      the ring slots of a CUDA loader are page-locked (cudaPointerGetAttributes)
+#   train       benchmarks/torchvision_train.py: a ResNet-50 training loop fed by each feed
+#   suite       the whole main suite under xdist, a per-test timeout, failures listed as they come
+#   yolo_ops    benchmarks/ultralytics_pipeline.py --ops-device cuda: augment_device's pixel ops
+#   yolo_train  benchmarks/yolo_train_stall.py: yolov8n, stock / patch() / augment_device, 256 images
+#   yolo_long   the same with 1,600 images (100 batches an epoch), one repeat
+#   fixed_step  benchmarks/fixed_step.py, where it exists
+# Also by name: dali (tests/test_dali.py, needs DALI), overhead, images, doctor.
+# Name stages to run only those: bash benchmarks/gpu_suite.sh tests suite
+#
+# Time: each stage runs under its own limit, cut to what is left of one overall budget
+# (GPU_SUITE_BUDGET, default 450 s, so that an 8-minute device call returns with 30 s to spare);
+# a stage that would get under 20 s is skipped with a line. A missing script, flag or library
+# skips its stage with a line too.
+# Output: logs and JSON are written to a folder outside $OUT (GPU_SUITE_LOGS), packed into
+# $OUT/gpu_suite.tar.gz after every stage, with the table of figures in $OUT/figures.md: a
+# device call cut short still returns everything so far, in two files. $OUT defaults to
+# benchmarks/out/gpu_suite.
+# GPU_SUITE_PLUMBING=1 runs the same setup, budget, archive and table on a machine without a GPU
+# (stages on the CPU, small sizes): the script's own test.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out="${OUT:-benchmarks/out}"
-mkdir -p "$out"
 export PYTHONUNBUFFERED=1
-stages=("${@:-tests pinned dali nvjpeg overhead train images yolo yolo_train doctor}")
+plumbing="${GPU_SUITE_PLUMBING:-}"
+budget="${GPU_SUITE_BUDGET:-450}"
+reserve=10  # for the last archive and table
+out="${OUT:-benchmarks/out/gpu_suite}"
+logs="${GPU_SUITE_LOGS:-/tmp/fastfeed-gpu-suite}"
+cores=$(nproc)
+if [ -n "$plumbing" ]; then device=cpu; yolo_device=cpu; else device=cuda; yolo_device=0; fi
+stages=("${@:-tests pinned train suite yolo_ops yolo_train yolo_long fixed_step}")
 stages=(${stages[*]})
+rm -rf "$logs" && mkdir -p "$logs" "$out"
+: >"$logs/stages.tsv"
+status=0
 
+note() { echo "gpu_suite: $*" | tee -a "$logs/setup.log"; }
+pack() {  # the archive and the table, replaced whole (a cut call keeps the previous ones)
+    python3 benchmarks/gpu_figures.py "$logs" >"$logs/figures.md" 2>>"$logs/setup.log"
+    cp "$logs/figures.md" "$out/figures.md.tmp" && mv "$out/figures.md.tmp" "$out/figures.md"
+    tar -czf "$out/gpu_suite.tar.gz.tmp" -C "$logs" . && mv "$out/gpu_suite.tar.gz.tmp" "$out/gpu_suite.tar.gz"
+}
 die() {  # die CODE MESSAGE: stop the suite with a reason
-    echo "gpu_suite: $2" | tee -a "$out/setup.log" >&2
+    note "$2"
+    pack
     exit "$1"
 }
+left() { echo $(( budget - SECONDS - reserve )); }
+stage() {  # stage NAME LIMIT CMD...: CMD under min(LIMIT, the budget left), logged to NAME.log
+    local name=$1 limit=$2
+    shift 2
+    (( $(left) < limit )) && limit=$(left)
+    if (( limit < 20 )); then
+        note "$name: skipped: ${budget} s budget spent"
+        return
+    fi
+    echo "== $name (${limit} s at most): $*"
+    local start=$SECONDS code
+    # SIGINT first: pytest then prints its summary of failures so far.
+    timeout -s INT -k 15 "$limit" "$@" >"$logs/$name.log" 2>&1
+    code=$?
+    (( code == 137 )) && code=124
+    printf '%s\t%s\t%s\n' "$name" "$code" "$(( SECONDS - start ))" >>"$logs/stages.tsv"
+    (( code != 0 )) && status=1
+    tail -n 8 "$logs/$name.log"
+    pack
+}
+needs() {  # needs STAGE SCRIPT [FLAG...]: the script exists and takes those flags, else a line
+    local name=$1 script=$2 help
+    shift 2
+    if [ ! -f "$script" ]; then
+        note "$name: skipped: $script does not exist in this tree"
+        return 1
+    fi
+    help=$(python3 "$script" --help 2>&1)
+    for flag in "$@"; do
+        if ! grep -q -- "$flag" <<<"$help"; then
+            note "$name: skipped: $script takes no $flag"
+            return 1
+        fi
+    done
+}
 has() { python3 -c "import $1" >/dev/null 2>&1; }
-pip_quiet() { python3 -m pip install -q --retries 0 --timeout 15 "$@" >>"$out/setup.log" 2>&1; }
 
-: >"$out/setup.log"
+# -- setup: no index; carried wheels, extensions built against a libjpeg that matches ----------
+: >"$logs/setup.log"
 command -v python3 >/dev/null || die 2 "no python3 on PATH"
-python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>>"$out/setup.log" \
-    || die 2 "python3's torch is missing or sees no GPU: nothing here can run"
-torch_pin="$out/torch-constraint.txt"
-python3 -c "import torch; print(f'torch=={torch.__version__}')" >"$torch_pin"
-
-if compgen -G ".whl/*.whl" >/dev/null; then  # carried wheels first, no index needed
-    pip_quiet --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
-        && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+if [ -z "$plumbing" ]; then
+    python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" \
+        2>>"$logs/setup.log" || die 2 "python3's torch is missing or sees no GPU: nothing here can run"
 fi
-# The build tools first: the editable install below builds without isolation.
+if compgen -G ".whl/*.whl" >/dev/null; then
+    site="$logs.site"  # outside the tree and the archive, read through PYTHONPATH
+    rm -rf "$site"
+    python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .whl/*.whl \
+        >>"$logs/setup.log" 2>&1 && export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" \
+        || note "the carried wheels in .whl/ did not install (see setup.log)"
+fi
 for module in setuptools pybind11 pytest; do
-    has $module || pip_quiet -c "$torch_pin" $module \
-        || die 2 "$module is missing and could not be installed: install it, or carry its wheel in .whl/"
+    has $module || die 2 "$module is missing: carry its wheel in .whl/ (benchmarks/gpu_carry.sh)"
 done
-# The extras, with the machine's torch held where it is; offline this fails and what is
-# already installed is used.
-pip_quiet --no-build-isolation -c "$torch_pin" -e ".[test,dali,torchvision]" \
-    || echo "gpu_suite: pip could not install the extras (offline?): using what is installed" \
-    | tee -a "$out/setup.log"
-
-jpeg_headers() { compgen -G "/usr/include/jpeglib.h" >/dev/null || compgen -G "/usr/local/include/jpeglib.h" >/dev/null; }
-if ! jpeg_headers && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-    apt-get install -y -q libjpeg-dev >>"$out/setup.log" 2>&1 || true
+if [ -f .whl/libjpeg/include/jpeglib.h ]; then
+    # The carried headers and the static libjpeg.a built with them: setup.py links that, so the
+    # module cannot meet another libjpeg (the machine's own has no headers).
+    export FASTFEED_LIBJPEG="$PWD/.whl/libjpeg"
 fi
-python3 setup.py build_ext --inplace >"$out/build.log" 2>&1 \
-    || die 1 "building the C++ extensions failed (see build.log)"
-required=(fastfeed._C fastfeed._warp)
-if jpeg_headers; then
-    required+=(fastfeed._jpeg)
-else
-    echo "gpu_suite: no libjpeg headers (apt-get install libjpeg-dev): fastfeed._jpeg is not" \
-        "built, and the window-decode figures measure Pillow's fallback" | tee -a "$out/setup.log"
-fi
+start=$SECONDS
+timeout 150 python3 setup.py build_ext --inplace -j "$cores" >"$logs/build.log" 2>&1 \
+    || die 1 "building the C++ extensions failed or took over 150 s (see build.log)"
+printf 'build\t0\t%s\n' "$(( SECONDS - start ))" >>"$logs/stages.tsv"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-for module in "${required[@]}"; do
-    python3 -c "import $module" >>"$out/build.log" 2>&1 \
+for module in fastfeed._C fastfeed._warp; do  # benchmarks without them measure fallbacks
+    python3 -c "import $module" >>"$logs/build.log" 2>&1 \
         || die 1 "extension $module did not build or does not import (see build.log)"
 done
+python3 -m fastfeed info 2>&1 | tee "$logs/info.txt"
+grep -q "JPEG window decoder *: libjpeg" "$logs/info.txt" \
+    || note "the JPEG window decoder is not in use (info.txt; carry .whl/libjpeg with" \
+        "gpu_carry.sh): window decodes measure Pillow"
+has pytest_timeout || note "pytest-timeout is missing: the suite runs without a per-test timeout"
+has xdist || note "pytest-xdist is missing: the suite runs in one process"
+pack
 
 ultralytics_missing=""
-has_ultralytics() {  # else names the missing module: a dependency to carry in .whl/
+has_ultralytics() {  # else says which module is missing: a wheel to carry in .whl/
     ultralytics_missing=$(python3 -c "import ultralytics, cv2" 2>&1) && return 0
     ultralytics_missing=$(tail -n 1 <<<"$ultralytics_missing")
     return 1
 }
+pytest_args=(-p no:cacheprovider -rf)
+has pytest_timeout && pytest_args+=(--timeout 120)
+if [ -n "$plumbing" ]; then
+    train_size=(--images 64 --warmup 1 --steps 3)
+    yolo_size=(--images 16 --repeats 1)
+else
+    train_size=(--images 2048 --warmup 8 --steps 30)
+    yolo_size=(--images 256 --repeats 3)
+fi
 
-status=0
-run() {  # run NAME CMD...: log to $out/NAME.log, keep going, remember failures
-    local name=$1; shift
-    echo "== $name: $*"
-    "$@" >"$out/$name.log" 2>&1 || { status=1; echo "   FAILED (exit $?)"; }
-    tail -n 15 "$out/$name.log"
-}
-
-python3 -m fastfeed info | tee "$out/info.txt"
 for stage in "${stages[@]}"; do
     case $stage in
-        tests) run gpu_tests python3 -m pytest -m gpu -v -p no:cacheprovider tests ;;
-        pinned) run pinned python3 - <<'PY'
+        tests) stage gpu_tests 90 python3 -m pytest -m gpu -v "${pytest_args[@]}" tests ;;
+        pinned)
+            [ -n "$plumbing" ] && { note "pinned: skipped: no CUDA (plumbing run)"; continue; }
+            stage pinned 30 python3 - <<'PY'
 # The slots of a CUDA loader's ring must be page-locked: else every copy from them is a
 # synchronous pageable copy. is_pinned() asks CUDA (cudaPointerGetAttributes) about the
 # slot's own address, so a registration that failed quietly shows here.
@@ -125,62 +172,69 @@ assert checked, "the loader yielded nothing"
 print(f"page-locked: {checked} slot readings, all pinned")
 PY
         ;;
+        train)
+            needs train benchmarks/torchvision_train.py --feeds --warmup --steps --json \
+                && stage torchvision_train 120 python3 benchmarks/torchvision_train.py \
+                    --device "$device" --workers 8 "${train_size[@]}" \
+                    --feeds gpu-alone,stock,swap,accelerate,accelerate-device,nvjpeg,gpu-decode \
+                    --json "$logs/torchvision_train.json" ;;
+        suite)
+            workers=()
+            has xdist && workers=(-n "$(( cores > 12 ? 12 : cores ))")
+            # -v lists each failure as it comes: the list holds even if the time runs out.
+            stage suite 170 python3 -m pytest "${workers[@]}" -m "not clients" -v \
+                "${pytest_args[@]}" ${GPU_SUITE_TESTS:-tests}
+            # Each failing test once, from the -v lines and the -rf summary alike.
+            grep -oE "(FAILED|ERROR) tests/[^ ]+" "$logs/suite.log" | sort -u \
+                >"$logs/suite_failures.txt"
+            if [ "$(tail -n 1 "$logs/stages.tsv" | cut -f 2)" = 124 ]; then
+                echo "(cut at the time limit: the tests running then fail with KeyboardInterrupt)" \
+                    >>"$logs/suite_failures.txt"
+            fi
+            [ -s "$logs/suite_failures.txt" ] && sed 's/^/   /' "$logs/suite_failures.txt"
+            pack ;;
+        yolo_ops)
+            needs yolo_ops benchmarks/ultralytics_pipeline.py --ops-device \
+                && stage yolo_ops 45 python3 benchmarks/ultralytics_pipeline.py --ops-device "$device" ;;
+        yolo_train|yolo_long)
+            if ! has_ultralytics; then
+                note "$stage: skipped: $ultralytics_missing (carry Ultralytics' wheels: gpu_carry.sh)"
+            elif needs "$stage" benchmarks/yolo_train_stall.py --configs --json; then
+                if [ "$stage" = yolo_train ]; then
+                    stage yolo_train 140 python3 benchmarks/yolo_train_stall.py --device "$yolo_device" \
+                        --workers 8 --configs stock,patched,augment --epochs 1 "${yolo_size[@]}" \
+                        --json "$logs/yolo_train.json"
+                else
+                    stage yolo_long 150 python3 benchmarks/yolo_train_stall.py --device "$yolo_device" \
+                        --workers 8 --configs stock,patched,augment --epochs 1 --images 1600 \
+                        --repeats 1 --json "$logs/yolo_long.json"
+                fi
+            fi ;;
+        fixed_step)
+            needs fixed_step benchmarks/fixed_step.py --json \
+                && stage fixed_step 60 python3 benchmarks/fixed_step.py --device "$device" \
+                    --json "$logs/fixed_step.json" ;;
         dali)
             if has nvidia.dali; then
-                run dali python3 -m pytest -v -p no:cacheprovider tests/test_dali.py
+                stage dali 120 python3 -m pytest -v "${pytest_args[@]}" tests/test_dali.py
             else
-                echo "== dali: FAILED: NVIDIA DALI is not installed (pip install 'fastfeed[dali]' needs an index)"
-                status=1
+                note "dali: skipped: NVIDIA DALI is not installed (nvidia-dali-cuda130 for CUDA 13)"
             fi ;;
-        nvjpeg)
-            if has torchvision; then
-                run nvjpeg python3 -m pytest -v -p no:cacheprovider tests/test_nvjpeg.py \
-                    "tests/test_vision.py::test_nvjpeg_backend_agrees_with_cpu"
-            else
-                echo "== nvjpeg: FAILED: torchvision is not installed"
-                status=1
-            fi ;;
-        overhead) run overhead python3 benchmarks/overhead.py --repeats 3 \
-                      --json "$out/overhead.json" ;;
-        train)
-            run train_resnet50 python3 benchmarks/train_step.py --model resnet50 \
-                --json "$out/train_resnet50.json"
-            run train_yolo python3 benchmarks/train_step.py --model yolo-like \
-                --json "$out/train_yolo.json" ;;
-        images) run images python3 benchmarks/images.py --workers 16 --repeats 3 \
+        overhead) stage overhead 120 python3 benchmarks/overhead.py --repeats 3 \
+                      --json "$logs/overhead.json" ;;
+        images) stage images 150 python3 benchmarks/images.py --workers 16 --repeats 3 \
                     --batch-size 128 --configs fastfeed fastfeed-threads fastfeed-nvjpeg \
-                    --json "$out/images.json" ;;
-        yolo)
-            run yolo_ops python3 benchmarks/ultralytics_pipeline.py --ops-device cuda
-            if has_ultralytics; then
-                run yolo_pipeline python3 benchmarks/ultralytics_pipeline.py --workers 8 \
-                    --configs stock,patched,patched-fast,patched-augment,patched-fast-augment \
-                    --json "$out/yolo.json"
-            else
-                echo "== yolo_pipeline: skipped: $ultralytics_missing"
-            fi ;;
-        yolo_train)
-            if has_ultralytics; then
-                run yolo_train python3 benchmarks/yolo_train_stall.py --device 0 --workers 8 \
-                    --json "$out/yolo_train.json"
-            else
-                echo "== yolo_train: skipped: $ultralytics_missing"
-            fi ;;
-        doctor)
-            run doctor_resnet50 python3 -m fastfeed doctor --warmup 10 --batches 40 \
-                --json "$out/doctor_resnet50.json" --out "$out/doctor_resnet50" \
-                tests/doctor_scripts/train_classifier.py --arch resnet50 --device cuda \
-                --generate 4096 --batch-size 64 --workers 8 --epochs 1
-            if has_ultralytics; then
-                run doctor_yolo python3 -m fastfeed doctor --warmup 10 --batches 40 \
-                    --json "$out/doctor_yolo.json" --out "$out/doctor_yolo" \
-                    tests/doctor_scripts/train_yolo.py --device 0 --imgsz 640 --batch 32 \
-                    --workers 8 --images 1024 --epochs 2
-            else
-                echo "== doctor_yolo: skipped: $ultralytics_missing"
-            fi ;;
-        *) echo "unknown stage $stage (tests, pinned, dali, nvjpeg, overhead, train, images, yolo, yolo_train, doctor)"
+                    --json "$logs/images.json" ;;
+        doctor) stage doctor_resnet50 150 python3 -m fastfeed doctor --warmup 10 --batches 40 \
+                    --json "$logs/doctor_resnet50.json" --out "$logs/doctor_resnet50" \
+                    tests/doctor_scripts/train_classifier.py --arch resnet50 --device "$device" \
+                    --generate 4096 --batch-size 64 --workers 8 --epochs 1 ;;
+        *) note "unknown stage $stage (tests pinned train suite yolo_ops yolo_train yolo_long" \
+               "fixed_step dali overhead images doctor)"
            status=2 ;;
     esac
 done
+pack
+echo
+cat "$logs/figures.md"
 exit $status

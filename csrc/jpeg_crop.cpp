@@ -9,6 +9,13 @@
 // libjpeg reports errors by longjmp. All libjpeg calls therefore live in plain functions
 // whose frames hold no C++ objects with destructors, and run with the GIL released; Python
 // objects are only built after they return.
+//
+// The library must be the one the headers describe: their structs differ between libjpeg
+// versions (6.2, 7, 8). jpeg_CreateDecompress compares the caller's JPEG_LIB_VERSION and struct
+// size with its own and refuses a mismatch through the error manager, so the jump target is
+// set before that first call (set after it, a refusal jumps nowhere: a crash). library()
+// makes that call once, at import, for fastfeed.vision.libjpeg to refuse the module. Built
+// with FASTFEED_JPEG_STATIC, the libjpeg-turbo whose headers were compiled is linked in.
 
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
@@ -26,7 +33,18 @@
 
 namespace py = pybind11;
 
+#ifdef FASTFEED_JPEG_STATIC
+// The static libjpeg.a of a distribution is built for executables: its one reference to
+// libc's data, jerror.c's stderr, cannot be relocated in a shared object. setup.py links a
+// copy whose reference is renamed to this pointer.
+extern "C" __attribute__((visibility("hidden"))) FILE* fastfeed_jpeg_stderr;
+FILE* fastfeed_jpeg_stderr = stderr;
+#endif
+
 namespace {
+
+#define FASTFEED_STR2(x) #x
+#define FASTFEED_STR(x) FASTFEED_STR2(x)
 
 struct ErrorManager {
     jpeg_error_mgr base;
@@ -59,19 +77,40 @@ struct Window {
     char error[JMSG_LENGTH_MAX] = {0};
 };
 
+void use_error_manager(jpeg_decompress_struct& cinfo, ErrorManager& err) {
+    cinfo.err = jpeg_std_error(&err.base);
+    err.base.error_exit = on_error;
+    err.base.emit_message = on_message;
+    cinfo.mem = nullptr;  // what jpeg_destroy_decompress frees, should creation be refused
+}
+
+// Whether the library accepts the structs of the headers this module was compiled with:
+// leaves libjpeg's refusal in `refused`, or an empty string.
+void check_library(char (&refused)[JMSG_LENGTH_MAX]) {
+    jpeg_decompress_struct cinfo;
+    ErrorManager err;
+    use_error_manager(cinfo, err);
+    refused[0] = '\0';
+    if (setjmp(err.jump)) {
+        std::snprintf(refused, sizeof(refused), "%s", err.message);
+        jpeg_destroy_decompress(&cinfo);
+        return;
+    }
+    jpeg_create_decompress(&cinfo);
+    jpeg_destroy_decompress(&cinfo);
+}
+
 // Decodes the window. Returns false with out.error set.
 bool run(const Request& req, Window& out) {
     jpeg_decompress_struct cinfo;
     ErrorManager err;
-    cinfo.err = jpeg_std_error(&err.base);
-    err.base.error_exit = on_error;
-    err.base.emit_message = on_message;
-    jpeg_create_decompress(&cinfo);
+    use_error_manager(cinfo, err);
     if (setjmp(err.jump)) {
         std::snprintf(out.error, sizeof(out.error), "%s", err.message);
         jpeg_destroy_decompress(&cinfo);
         return false;
     }
+    jpeg_create_decompress(&cinfo);
     jpeg_mem_src(&cinfo, req.data, static_cast<unsigned long>(req.size));
     jpeg_read_header(&cinfo, TRUE);
     out.image_width = static_cast<int>(cinfo.image_width);
@@ -142,6 +181,25 @@ py::tuple decode_crop(const py::bytes& data, int x, int y, int w, int h, int min
     return py::make_tuple(pixels, out.denom);
 }
 
+py::dict library() {
+    char refused[JMSG_LENGTH_MAX];
+    check_library(refused);
+    py::dict out;
+    out["headers"] = JPEG_LIB_VERSION;  // the libjpeg API this module was compiled for
+#ifdef LIBJPEG_TURBO_VERSION
+    out["turbo"] = FASTFEED_STR(LIBJPEG_TURBO_VERSION);
+#else
+    out["turbo"] = "";
+#endif
+#ifdef FASTFEED_JPEG_STATIC
+    out["linked"] = "static";
+#else
+    out["linked"] = "shared";
+#endif
+    out["refused"] = std::string(refused);
+    return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_jpeg, m) {
@@ -150,4 +208,9 @@ PYBIND11_MODULE(_jpeg, m) {
           py::arg("h"), py::arg("min_w"), py::arg("min_h"),
           "Decode the (x, y, w, h) window of a JPEG at the coarsest DCT scale keeping it at "
           "least min_w x min_h; returns (uint8 HxWx3 array, scale_denom).");
+    m.def("library", &library,
+          "The libjpeg this module runs against: {'headers': the JPEG_LIB_VERSION it was "
+          "compiled for, 'turbo': the libjpeg-turbo version of those headers, 'linked': "
+          "'static' or 'shared', 'refused': libjpeg's refusal of this build's structs, or "
+          "''}.");
 }

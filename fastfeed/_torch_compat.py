@@ -70,7 +70,7 @@ def thread_worker_info(worker_id: int, num_workers: int, seed: int, dataset: Dat
 
         extra["rng"] = _worker._RNG(random.Random(seed), torch.Generator().manual_seed(seed),
                                     np.random.default_rng(seed))
-    if "worker_method" in fields:
+    if "worker_method" in fields or not fields:  # torch 2.11's WorkerInfo takes any keyword
         extra["worker_method"] = "thread"
     return _worker.WorkerInfo(id=worker_id, num_workers=num_workers, seed=seed, dataset=dataset,
                               **extra)

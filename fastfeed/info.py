@@ -17,7 +17,7 @@ from fastfeed._imports import importable
 from fastfeed.autotune import available_cpus
 from fastfeed.nvml import nvml_status
 from fastfeed.ring import ring_supported
-from fastfeed.vision.decode import roi_decoder_available
+from fastfeed.vision.libjpeg import describe as describe_window_decoder
 
 __all__ = ["collect", "format_report", "pillow_is_simd"]
 
@@ -47,6 +47,20 @@ def _client(distribution: str, missing: str) -> str:
         return f"not installed ({missing})"
 
 
+# DALI's wheels, one per CUDA major version (the CUDA 13 builds of torch pair with cuda130).
+_DALI = ("nvidia-dali-cuda130", "nvidia-dali-cuda120", "nvidia-dali-cuda110")
+
+
+def _dali() -> str:
+    for distribution in _DALI:
+        try:
+            return f"{importlib.metadata.version(distribution)} ({distribution})"
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return ("not installed (pip install 'fastfeed[dali]', or nvidia-dali-cuda130 for a torch "
+            "built for CUDA 13)")
+
+
 def _yolo_kernel(module: str, op: str) -> str:
     """Whether a YOLO pixel kernel (``fastfeed._warp``, ``fastfeed._hsv``) runs here."""
     try:
@@ -69,8 +83,7 @@ def collect() -> dict[str, str]:
         "numpy": np.__version__,
         "Pillow": PIL.__version__ + (" (pillow-simd)" if pillow_is_simd() else ""),
         "C++ extension": "loaded" if extension_loaded() else "not built: pure-torch copy path",
-        "JPEG window decoder": "libjpeg-turbo (fastfeed._jpeg)" if roi_decoder_available()
-        else "not built: Pillow draft mode",
+        "JPEG window decoder": describe_window_decoder(),
         "YOLO warp kernel": _yolo_kernel("_warp", "warp"),
         "YOLO HSV kernel": _yolo_kernel("_hsv", "HSV"),
         "YOLO shared cache": "fastfeed._flags" if importable("fastfeed._flags")
@@ -87,7 +100,7 @@ def collect() -> dict[str, str]:
         "NVML": f"driver {nvml.driver}, {len(nvml.gpus)} GPU(s)"
         if nvml.available
         else f"unavailable ({nvml.reason})",
-        "DALI": _client("nvidia-dali-cuda120", "pip install 'fastfeed[dali]'"),
+        "DALI": _dali(),
         "torchvision": _client("torchvision", "fastfeed.vision.accelerate needs it"),
         "Ultralytics": _client("ultralytics", "pip install 'fastfeed[ultralytics]'"),
         "CPUs (affinity)": str(available_cpus()),

@@ -60,6 +60,45 @@ def shm_entries() -> set[str]:
     return set(os.listdir("/dev/shm"))
 
 
+def descendants(pid: int | None = None) -> set[int]:
+    """``pid`` (this process by default) and every live process below it."""
+    tree = {os.getpid() if pid is None else pid}
+    frontier = set(tree)
+    while frontier:
+        frontier = set().union(*(child_pids(p) for p in frontier)) - tree
+        tree |= frontier
+    return tree
+
+
+def held_by_others(names: set[str]) -> set[str]:
+    """Those /dev/shm ``names`` that a process outside this one's tree has open or mapped (a
+    named semaphore is mapped): another test's, in a parallel run, or another program's.
+
+    By inode: a semaphore is mapped under the temporary name it was created with."""
+    inodes = {}
+    for name in names:
+        try:
+            inodes[os.stat(f"/dev/shm/{name}").st_ino] = name
+        except OSError:  # removed meanwhile
+            continue
+    ours = descendants()
+    held = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) in ours:
+            continue
+        try:
+            with open(f"/proc/{entry}/maps") as f:
+                mapped = [line.split() for line in f if " /dev/shm/" in line]
+            held.update(inodes.get(int(fields[4]), "") for fields in mapped)
+            for fd in os.listdir(f"/proc/{entry}/fd"):
+                link = f"/proc/{entry}/fd/{fd}"
+                if os.readlink(link).startswith("/dev/shm/"):
+                    held.add(inodes.get(os.stat(link).st_ino, ""))
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return held & names
+
+
 def snapshot() -> tuple[set[int], int, set[str]]:
     gc.collect()
     return child_pids(), len(open_fds()), shm_entries()
@@ -74,18 +113,26 @@ def wait_until(predicate, timeout: float = 10.0, interval: float = 0.05) -> bool
     return predicate()
 
 
+def new_shm(before: set[str]) -> set[str]:
+    """The /dev/shm entries made since ``before`` that no other process tree holds."""
+    made = shm_entries() - before
+    return made - held_by_others(made) if made else made
+
+
 def assert_no_leaks(before: tuple[set[int], int, set[str]], timeout: float = 10.0) -> None:
-    """No new child process, no more fds, no new /dev/shm entry than at ``before``."""
+    """No new child process, no more fds, no new /dev/shm entry of this process's than at
+    ``before`` (other processes, the tests beside this one in a parallel run among them, make
+    and remove entries of their own meanwhile)."""
     children, fds, shm = before
 
     def settled() -> bool:
         gc.collect()
-        now_children, now_fds, now_shm = snapshot()
-        return now_children <= children and now_fds <= fds and now_shm <= shm
+        now_children, now_fds, _ = snapshot()
+        return now_children <= children and now_fds <= fds and not new_shm(shm)
 
     if not wait_until(settled, timeout):
-        now_children, now_fds, now_shm = snapshot()
+        now_children, now_fds, _ = snapshot()
         raise AssertionError(
             f"leak: children {sorted(now_children - children)}, fds {fds} -> {now_fds}, "
-            f"/dev/shm {sorted(now_shm - shm)}"
+            f"/dev/shm {sorted(new_shm(shm))}"
         )

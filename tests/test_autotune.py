@@ -118,8 +118,9 @@ def _child(code):
 
 @pytest.mark.skipif(not Path("/proc/self/schedstat").exists(), reason="needs Linux schedstat")
 def test_sleep_meter_tells_sleeping_workers_from_computing_ones():
-    # Long sleeps: on a loaded machine each wake-up waits for a core, which counts as running.
-    sleeper = _child("import time\nwhile True: time.sleep(0.05)")
+    # Long sleeps: on a loaded machine (a parallel run) each wake-up waits for a core, which
+    # counts as running; at 0.05 s a sleep, those waits came to over half the time.
+    sleeper = _child("import time\nwhile True: time.sleep(0.25)")
     spinner = _child("while True: pass")
     try:
         time.sleep(0.3)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from procs import alive, assert_no_leaks, child_pids, snapshot, wait_until
+from procs import alive, assert_no_leaks, child_pids, new_shm, shm_entries, snapshot, wait_until
 from sample_datasets import (
     FailingDataset,
     SlowDataset,
@@ -190,7 +190,7 @@ def _script(body: str) -> list[str]:
 
 
 def test_workers_exit_when_the_main_process_is_killed():
-    shm_before = set(os.listdir("/dev/shm"))
+    shm_before = shm_entries()
     proc = subprocess.Popen(_script("""
         import os, signal
         from sample_datasets import SlowDataset
@@ -206,7 +206,7 @@ def test_workers_exit_when_the_main_process_is_killed():
     proc.wait(timeout=30)
     assert proc.returncode == -signal.SIGKILL and len(pids) == 2
     assert wait_until(lambda: not any(alive(p) for p in pids), timeout=10), "workers outlived main"
-    assert set(os.listdir("/dev/shm")) <= shm_before
+    assert not new_shm(shm_before)
 
 
 def test_ctrl_c_stops_cleanly():

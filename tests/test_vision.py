@@ -74,7 +74,10 @@ def test_window_decode_matches_full_decode(box, use_roi):
 
 
 def test_roi_decoder_is_built_here():
-    assert roi_decoder_available()  # libjpeg-turbo headers are on this machine and in CI
+    from fastfeed.vision.libjpeg import describe
+
+    # libjpeg-turbo's headers are on this machine and in CI (gpu_suite.sh carries them)
+    assert roi_decoder_available(), describe()
 
 
 def test_image_size_and_non_jpeg():

@@ -59,8 +59,8 @@ def patch(fast_decode: bool = False, augment_device: str | None = None,
             HSV jitter and flips on this device (``"cuda"``), as batch ops on the copy stream;
             workers still draw every random number with Ultralytics' code, so labels are the
             stock ones; the ops are OpenCV 5's arithmetic, and with ``"cpu"`` the images equal
-            the stock ones byte for byte (not yet run on a GPU). The loader then delivers
-            batches on that device.
+            the stock ones byte for byte (on an H100, the GPU's warp and HSV gave the CPU's
+            bytes). The loader then delivers batches on that device.
             ``"cpu"`` runs the same ops in the main process: a reference, slower than the
             workers. Pipelines with
             other pixel work after the warp (mixup, cutmix, perspective, Albumentations) stay

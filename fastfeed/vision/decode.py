@@ -24,10 +24,10 @@ import numpy as np
 import torch
 from PIL import Image, ImageFile
 
-try:
-    from fastfeed import _jpeg  # type: ignore[attr-defined]
-except ImportError:  # built without libjpeg-turbo's headers: Pillow decodes
-    _jpeg = None
+from fastfeed.vision.libjpeg import window_decoder
+
+# None where it was not built, or was built for another libjpeg: Pillow decodes.
+_jpeg = window_decoder()
 
 __all__ = ["Box", "DecodeError", "decode_resized_crop", "image_size", "jpeg_frame_size",
            "roi_decoder_available"]
@@ -47,7 +47,8 @@ class DecodeError(OSError):
 
 
 def roi_decoder_available() -> bool:
-    """Whether the libjpeg-turbo window decoder (``fastfeed._jpeg``) was built."""
+    """Whether the libjpeg-turbo window decoder (``fastfeed._jpeg``) was built, for the libjpeg
+    it runs against."""
     return _jpeg is not None
 
 

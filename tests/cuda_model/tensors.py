@@ -4,6 +4,7 @@ it, and :func:`install`, which makes ``torch.cuda`` the model for one test."""
 from __future__ import annotations
 
 import ctypes
+import os
 import sys
 import weakref
 
@@ -11,6 +12,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from cuda_model.device import DEVICE, Event, Gpu, Stream, _layout, _plain, _Pointer, _within
+from fastfeed import pinning
 
 _gpu: Gpu | None = None  # the model installed for the running test
 _HOST_TO = torch.Tensor.to
@@ -221,22 +223,50 @@ for _method in (torch.Tensor.cpu, torch.Tensor.numpy, torch.Tensor.tolist, torch
 
 _FACTORIES = ("empty", "zeros", "ones", "full", "arange", "empty_strided", "rand", "randn",
               "zeros_like", "ones_like", "full_like", "empty_like")
+_ABSENT = object()  # a class attribute that was only inherited
+# What install() replaced while a model is installed: (owner, name, what it held).
+_replaced: list[tuple[object, str, object]] = []
+
+
+def _real_torch_in_child() -> None:
+    """Give a child forked while a model is installed (a DataLoader worker) torch's own
+    ``torch.cuda`` back, and everything else the model replaced. The child never sees the
+    model's device, and on a machine with CUDA the model's answers break it: its
+    ``torch.manual_seed`` trusts ``is_initialized()`` and seeds a device generator the child
+    does not have (``IndexError`` on ``torch.cuda.default_generators``)."""
+    for owner, name, original in reversed(_replaced):
+        if original is _ABSENT:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, original)
+    _replaced.clear()
+
+
+os.register_at_fork(after_in_child=_real_torch_in_child)
 
 
 def install(monkeypatch, gpu: Gpu) -> Gpu:
-    """Make ``torch.cuda`` (and the tensor methods that reach it) the model, for one test."""
-    monkeypatch.setattr(sys.modules[__name__], "_gpu", gpu)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    monkeypatch.setattr(torch.cuda, "Stream", gpu.new_stream)
-    monkeypatch.setattr(torch.cuda, "Event", lambda *a, **k: Event(gpu))
-    monkeypatch.setattr(torch.cuda, "stream", gpu.stream)
-    monkeypatch.setattr(torch.cuda, "current_stream", gpu.current_stream)
-    monkeypatch.setattr(torch.cuda, "default_stream", lambda device=None: gpu.default)
-    monkeypatch.setattr(torch.cuda, "synchronize", gpu.synchronize)
-    monkeypatch.setattr("fastfeed.pinning.TorchCudaRuntime", lambda: gpu.runtime)
+    """Make ``torch.cuda`` (and the tensor methods that reach it) the model, for one test; a
+    process forked meanwhile gets torch's own back."""
+    monkeypatch.setattr(sys.modules[__name__], "_replaced", [])  # emptied again after the test
+
+    def replace(owner, name: str, value) -> None:
+        held = vars(owner).get(name, _ABSENT) if isinstance(owner, type) else getattr(owner, name)
+        _replaced.append((owner, name, held))
+        monkeypatch.setattr(owner, name, value)
+
+    replace(sys.modules[__name__], "_gpu", gpu)
+    replace(torch.cuda, "is_available", lambda: True)
+    replace(torch.cuda, "device_count", lambda: 1)
+    replace(torch.cuda, "current_device", lambda: 0)
+    replace(torch.cuda, "is_initialized", lambda: True)
+    replace(torch.cuda, "Stream", gpu.new_stream)
+    replace(torch.cuda, "Event", lambda *a, **k: Event(gpu))
+    replace(torch.cuda, "stream", gpu.stream)
+    replace(torch.cuda, "current_stream", gpu.current_stream)
+    replace(torch.cuda, "default_stream", lambda device=None: gpu.default)
+    replace(torch.cuda, "synchronize", gpu.synchronize)
+    replace(pinning, "TorchCudaRuntime", lambda: gpu.runtime)
 
     def to(self, *args, **kwargs):
         if isinstance(self, DeviceTensor):
@@ -270,7 +300,7 @@ def install(monkeypatch, gpu: Gpu) -> Gpu:
 
     for name, method in (("to", to), ("cuda", cuda), ("is_pinned", is_pinned),
                          ("pin_memory", pin_memory), ("record_stream", record_stream)):
-        monkeypatch.setattr(torch.Tensor, name, method)
+        replace(torch.Tensor, name, method)
 
     for name in _FACTORIES:
         original = getattr(torch, name)
@@ -285,7 +315,7 @@ def install(monkeypatch, gpu: Gpu) -> Gpu:
                 return factory(gpu, _original, args, {**kwargs, "device": DEVICE})
             return _original(*args, **kwargs)
 
-        monkeypatch.setattr(torch, name, made_by)
+        replace(torch, name, made_by)
 
     for name in ("tensor", "as_tensor"):
         original = getattr(torch, name)
@@ -298,5 +328,5 @@ def install(monkeypatch, gpu: Gpu) -> Gpu:
                     gpu, torch.Tensor.clone, (data,), {})
             return from_host_data(gpu, _original, data, kwargs)
 
-        monkeypatch.setattr(torch, name, from_data)
+        replace(torch, name, from_data)
     return gpu
