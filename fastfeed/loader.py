@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from fastfeed._torch_compat import is_datapipe, is_iterable_dataset
 from fastfeed.arguments import check_arguments, cores_warning_muted
 from fastfeed.autotune import WorkerTuner, initial_workers
-from fastfeed.cluster.options import cluster_workers
+from fastfeed.backends.ray.options import cluster_workers
 from fastfeed.device import (
     Copier,
     DeviceIterator,

@@ -2,7 +2,7 @@
 
 The protocol, per worker (a thread worker follows it too, with the control pipe absent; a Ray
 actor too, its task queue and result queue carried by actor calls, its batches by the object
-store: :mod:`fastfeed.iterators.ray_backend`)::
+store: :mod:`fastfeed.backends.ray.backend`)::
 
     main process                                  worker
     ────────────                                  ──────
@@ -133,7 +133,7 @@ class Encoded:
 
 @dataclass(frozen=True)
 class Shipped:
-    """A batch as it crosses Ray's object store from an actor (:mod:`fastfeed.cluster.wire`).
+    """A batch as it crosses Ray's object store from an actor (:mod:`fastfeed.backends.ray.wire`).
 
     Attributes:
         payload: the pickled structure.

@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
+from fastfeed.backends.process import ProcessBackend, ThreadBackend
 from fastfeed.collate import Empty
-from fastfeed.iterators.backends import ProcessBackend, ThreadBackend
 from fastfeed.iterators.liveness import WorkerExited, next_message, raise_if_a_worker_died
 from fastfeed.iterators.tasks import TaskBook
 from fastfeed.iterators.workers import WorkerTable
@@ -50,7 +50,7 @@ def make_backend(mode: str, multiprocessing_context: Any,
         return ThreadBackend()
     if mode == "ray":
         # Only when asked for: it imports Ray.
-        from fastfeed.iterators.ray_backend import RayBackend
+        from fastfeed.backends.ray.backend import RayBackend
 
         return RayBackend(ray_options, landing_tail)
     return ProcessBackend(multiprocessing_context or torch.multiprocessing)

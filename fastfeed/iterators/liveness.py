@@ -10,16 +10,13 @@ import queue
 import time
 from typing import Any
 
+from fastfeed.backends.base import WorkerExited
 from fastfeed.iterators.workers import WorkerState, WorkerTable
 
 __all__ = ["WorkerExited", "next_message", "raise_if_a_worker_died"]
 
 # How often a waiting main process checks that its workers are alive.
 _LIVENESS_INTERVAL = 0.1
-
-
-class WorkerExited(RuntimeError):
-    """A worker that should be running is gone (the message names it and why)."""
 
 
 def raise_if_a_worker_died(workers: WorkerTable, wait: float = 0.0) -> None:

@@ -42,13 +42,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from fastfeed.cluster.actor import RayWorker
-from fastfeed.cluster.options import actor_options, connected_ray
-from fastfeed.cluster.wire import unship
+from fastfeed.backends.base import WorkerExited
+from fastfeed.backends.process import WorkerHandle
+from fastfeed.backends.ray.actor import RayWorker
+from fastfeed.backends.ray.options import actor_options, connected_ray
+from fastfeed.backends.ray.wire import unship
 from fastfeed.codec import decode, encode, slot_bytes_needed
 from fastfeed.collate import Empty, torch_empty
-from fastfeed.iterators.backends import WorkerHandle
-from fastfeed.iterators.liveness import WorkerExited
 from fastfeed.protocol import (
     Answer,
     Encoded,
@@ -170,7 +170,7 @@ class RayBackend:
 
     Args:
         ray_options: where the actors go and what each takes (see
-            :func:`fastfeed.cluster.options.actor_options`).
+            :func:`fastfeed.backends.ray.options.actor_options`).
         landing_tail: ``landing_tail(batch, empty)`` finishes each batch as it lands, writing
             its output with the slot's allocator: the workers then ship a dataset's short
             items (uint8 images: a quarter of float32's bytes through the object store), and

@@ -1,5 +1,5 @@
 """Where workers run: processes (the default; batches cross through the ring), threads, or
-Ray actors on a cluster (:mod:`fastfeed.iterators.ray_backend`).
+Ray actors on a cluster (:mod:`fastfeed.backends.ray.backend`).
 
 A backend starts workers and owns what they share with the main process: the result queue,
 the shutdown flag and, for processes, each worker's task queue and control pipe, over which

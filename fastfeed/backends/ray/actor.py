@@ -4,7 +4,7 @@ The actor hosts the very loop a worker process runs (:func:`fastfeed.worker.work
 a thread of its own fed through in-process queues, so seeding, ``get_worker_info()``,
 ``worker_init_fn``, errors, IterableDataset exhaustion and persistent epochs cannot drift
 from a local worker's. Each actor call hands the loop one message and returns its reply, with
-the batch made ready for Ray's object store (:mod:`fastfeed.cluster.wire`), collated into
+the batch made ready for Ray's object store (:mod:`fastfeed.backends.ray.wire`), collated into
 memory the actor reuses for every batch, as a worker process collates into a ring slot. Ray
 runs an actor's calls one at a time, in the order they were submitted: the protocol's order.
 """
@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch._utils import ExceptionWrapper
 
-from fastfeed.cluster.wire import ship
+from fastfeed.backends.ray.wire import ship
 from fastfeed.collate import as_collate_into
 from fastfeed.protocol import (
     Answer,
