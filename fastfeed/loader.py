@@ -7,7 +7,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterable
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from fastfeed._torch_compat import is_datapipe, is_iterable_dataset
 from fastfeed.arguments import check_arguments, cores_warning_muted
 from fastfeed.autotune import WorkerTuner, initial_workers
+from fastfeed.backends import WorkerKind
 from fastfeed.backends.ray.options import cluster_workers
 from fastfeed.device import (
     Copier,
@@ -248,17 +249,18 @@ class FastLoader(DataLoader):
             self._telemetry.reset()
         return snapshot
 
-    def _worker_mode_for_next_iterator(self) -> str:
+    def _worker_mode_for_next_iterator(self) -> WorkerKind:
         """``"auto"`` tries each mode for an epoch, then keeps the faster one."""
         if self.worker_mode != "auto":
-            return self.worker_mode
+            return cast(WorkerKind, self.worker_mode)  # checked by check_arguments
         if is_iterable_dataset(self.dataset) or self.deterministic or self.persistent_workers:
             return "process"
         rates = self._carry_over.epoch_rates
-        for mode in ("process", "thread"):
+        modes: tuple[WorkerKind, ...] = ("process", "thread")
+        for mode in modes:
             if mode not in rates:
                 return mode
-        chosen = max(rates, key=lambda mode: rates[mode])
+        chosen = max(modes, key=lambda mode: rates[mode])
         if not self._decided_mode:
             self._decided_mode = True
             self._telemetry.decision("worker_mode auto: " + ", ".join(

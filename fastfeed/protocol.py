@@ -29,9 +29,10 @@ Rules both sides rely on:
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from torch._utils import ExceptionWrapper
 
@@ -43,6 +44,7 @@ __all__ = [
     "Produced",
     "ReplicaEnded",
     "Shipped",
+    "ShutdownFlag",
     "SlotAdded",
     "SlotDropped",
     "StartEpoch",
@@ -53,6 +55,32 @@ __all__ = [
 
 
 # -- at start ----------------------------------------------------------------------------------
+
+class _SharedValues(Protocol):
+    """A multiprocessing context (or module) that makes values in shared memory."""
+
+    def RawValue(self, typecode: Any, *args: Any) -> Any: ...
+
+
+class ShutdownFlag:
+    """Set once, when the pool shuts down: a worker then skips the tasks still queued.
+
+    A ``c_bool`` without a lock, on purpose: a lock shared with workers can be left held by one
+    that is killed, and the main process would hang on it while shutting down. Its memory is
+    shared with the worker processes of ``context`` when one is given (it travels to them as
+    they start), else this process's own (thread workers, a Ray actor's loop).
+    """
+
+    def __init__(self, context: _SharedValues | None = None) -> None:
+        self._value = (ctypes.c_bool(False) if context is None
+                       else context.RawValue(ctypes.c_bool, False))
+
+    def set(self) -> None:
+        self._value.value = True
+
+    def is_set(self) -> bool:
+        return bool(self._value.value)
+
 
 @dataclass(frozen=True)
 class WorkerConfig:
@@ -102,10 +130,12 @@ class Stop:
 
 @dataclass(frozen=True)
 class SlotAdded:
-    """A new ring slot; its file descriptor follows on the pipe (``send_handle``)."""
+    """A new ring slot, and its file descriptor (a number of the sending process's; the pipe
+    carries the descriptor itself, and the receiver gets its own number for it)."""
 
     slot_id: int
     nbytes: int
+    fd: int
 
 
 @dataclass(frozen=True)

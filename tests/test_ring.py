@@ -102,7 +102,7 @@ def test_workers_map_no_memory_but_the_rings():
         for _batch in loader:
             pass
     del _batch
-    ring_inodes = {os.fstat(fd).st_ino for _, _, fd in ring_of(loader).fds()}
+    ring_inodes = {os.fstat(slot.fd).st_ino for slot in ring_of(loader).slots()}
     for worker in loader._live_iterator()._table:
         with open(f"/proc/{worker.handle.pid}/maps") as maps:
             mapped = {int(line.split()[4]) for line in maps if "/memfd:fastfeed" in line}

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastfeed.autotune import WorkerTuner
+from fastfeed.backends import WorkerKind
 from fastfeed.resume import LoaderState
 from fastfeed.ring import SlotRing
 from fastfeed.tail import TailPlacement
@@ -41,7 +42,7 @@ class IteratorSetup:
 
     telemetry: Telemetry
     carry_over: CarryOver
-    worker_mode: str = "process"  # "process", "thread" or "ray" ("auto" is resolved first)
+    worker_mode: WorkerKind = "process"  # "auto" is resolved first
     ray_options: dict[str, Any] | None = None  # where Ray actors go (worker_mode="ray")
     tuner: WorkerTuner | None = None
     ring: SlotRing | None = None  # the loader's ring, for process workers

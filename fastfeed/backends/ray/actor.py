@@ -15,7 +15,6 @@ import math
 import queue
 import threading
 from dataclasses import replace
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -30,6 +29,7 @@ from fastfeed.protocol import (
     Failed,
     Produced,
     ReplicaEnded,
+    ShutdownFlag,
     StartEpoch,
     Task,
     WorkerConfig,
@@ -64,7 +64,7 @@ class RayWorker:
             target=worker_loop,
             # Never shutting down: the backend ends the actor itself.
             args=(replace(config, dataset=dataset, collate_fn=_ReusedMemory(config.collate_fn)),
-                  self._tasks, self._replies, SimpleNamespace(value=False), None),
+                  self._tasks, self._replies, ShutdownFlag(), None),
             name=f"fastfeed-worker-{config.worker_id}", daemon=True)
         self._loop.start()
 

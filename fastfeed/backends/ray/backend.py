@@ -10,11 +10,11 @@ A task's way::
                                                the landing tail writes its finished form
                                                there); the object reference is dropped
 
-The crew reads answers from ``backend.result_queue``, which here is the backend itself: an
-answer waits in Ray's object store behind its worker's oldest call, not on a queue. Only each
-worker's oldest call is waited on, so a worker answers in the order it was given its tasks,
-as the protocol says. No remote process maps the ring: this process writes every slot, in
-:meth:`RayBackend.get`, while the task holds the slot's ticket.
+An answer waits in Ray's object store behind its worker's oldest call, not on a queue:
+:meth:`RayBackend.next_answer` waits only on each worker's oldest call, so a worker answers
+in the order it was given its tasks, as the protocol says. No remote process maps the ring:
+this process writes every slot, in :meth:`RayBackend.next_answer`, while the task holds the
+slot's ticket.
 
 A lost actor (its node died, its process was killed) is not reported as a dead worker. The
 backend starts a new actor from the same :class:`~fastfeed.protocol.WorkerConfig` (worker id,
@@ -35,15 +35,14 @@ import queue
 import time
 import uuid
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 import torch
 
-from fastfeed.backends.base import WorkerExited
-from fastfeed.backends.process import WorkerHandle
+from fastfeed.backends.base import FromWorker, ToWorker, WorkerExited, WorkerKind
 from fastfeed.backends.ray.actor import RayWorker
 from fastfeed.backends.ray.options import actor_options, connected_ray
 from fastfeed.backends.ray.wire import unship
@@ -55,6 +54,7 @@ from fastfeed.protocol import (
     EpochStarted,
     Produced,
     Shipped,
+    SlotAdded,
     StartEpoch,
     Stop,
     Task,
@@ -105,15 +105,15 @@ class _Call:
 class RemoteWorker:
     """One worker on the cluster: its actor, and its calls not answered yet, oldest first.
 
-    It is both its handle's runner and its task queue (a message put here becomes an actor
-    call). It has no process here: no pid for the tuner's /proc readings, and no exit code,
-    since a lost actor is restarted, not reported.
+    A message sent to it becomes an actor call. It has no process here: no pid for the
+    tuner's /proc readings, and no exit reason, since a lost actor is restarted, not reported.
     """
 
     pid = None
-    exitcode = None
+    task_id = None
 
     def __init__(self, backend: RayBackend, config: WorkerConfig) -> None:
+        self.worker_id = config.worker_id
         self.config = config
         self.calls: collections.deque[_Call] = collections.deque()
         self.epoch = 0  # of its last acknowledged StartEpoch: where a new actor starts
@@ -122,11 +122,17 @@ class RemoteWorker:
         self._actor = backend.spawn(config, generation=0)
         self._generation = 0
 
-    def put(self, message: Task | StartEpoch | Stop) -> None:
+    def send(self, message: ToWorker) -> None:
         if isinstance(message, Stop):  # it owes nothing (the protocol's rule)
             self.end()
         else:
             self.calls.append(_Call(message, self._actor.run.remote(message)))
+
+    def announce_slots(self, created: Sequence[SlotAdded], retired: Sequence[int]) -> None:
+        pass  # no remote process maps the ring: this one lands every batch in its slot
+
+    def exit_reason(self) -> str | None:
+        return None
 
     def restart(self) -> None:
         """A new actor in place of a lost one: at the same epoch, with the calls the lost one
@@ -141,7 +147,7 @@ class RemoteWorker:
             start = StartEpoch(self.epoch)
             self.calls.append(_Call(start, self._actor.run.remote(start), internal=True))
         for message in unanswered:
-            self.put(message)
+            self.send(message)
 
     def end(self) -> None:
         self._backend.kill(self._actor)
@@ -182,9 +188,9 @@ class RayBackend:
         RuntimeError: no cluster is connected (``ray.init`` was not called).
     """
 
-    kind = "ray"
+    kind: WorkerKind = "ray"
 
-    def __init__(self, ray_options: dict[str, Any] | None = None,
+    def __init__(self, ring: SlotRing | None, ray_options: dict[str, Any] | None = None,
                  landing_tail: Callable[[Any, Empty], Any] | None = None) -> None:
         self._ray = connected_ray()
         self._exceptions = self._ray.exceptions
@@ -193,17 +199,15 @@ class RayBackend:
                          "max_task_retries": 0, "max_concurrency": 1}
         self._token = uuid.uuid4().hex[:8]  # names this backend's actors in `ray list actors`
         self._workers: dict[int, RemoteWorker] = {}
-        self._ring: SlotRing | None = None
+        self._ring = ring
         self._dataset: tuple[Any, Any] | None = None  # (the dataset, its object reference)
         self._landing_tail = landing_tail
-        self.result_queue = self
 
     # -- starting and ending actors ----------------------------------------------------------
-    def start(self, config: WorkerConfig, ring: SlotRing | None) -> WorkerHandle:
-        self._ring = ring
+    def start(self, config: WorkerConfig) -> RemoteWorker:
         worker = RemoteWorker(self, config)
         self._workers[config.worker_id] = worker
-        return WorkerHandle(config.worker_id, worker, worker)
+        return worker
 
     def spawn(self, config: WorkerConfig, generation: int) -> Any:
         """An actor for ``config``'s worker; the dataset is put in the object store once, and
@@ -218,11 +222,7 @@ class RayBackend:
         if self._ray.is_initialized():  # after ray.shutdown() its actors are gone already
             self._ray.kill(actor, no_restart=True)
 
-    def announce(self, handle: WorkerHandle, created: list, retired: list[int]) -> None:
-        pass  # no remote process maps the ring
-
-    def shutdown(self, handles: list[WorkerHandle], wait: bool = True,
-                 then: Callable[[], None] | None = None) -> None:
+    def shutdown(self, wait: bool = True, then: Callable[[], None] | None = None) -> None:
         """End every actor, then hand the tickets back (``then``) at once: only this process
         writes the slots, and only while it receives an answer."""
         for worker in self._workers.values():
@@ -233,7 +233,7 @@ class RayBackend:
             then()
 
     # -- receiving ---------------------------------------------------------------------------
-    def get(self, timeout: float) -> Answer | EpochStarted:
+    def next_answer(self, timeout: float) -> FromWorker:
         """The next reply of any worker, its batch in its slot.
 
         Raises:
