@@ -1,13 +1,14 @@
-"""Everything that crosses between the main process and a worker, as frozen messages.
+"""Everything that crosses between the main process and a worker, as frozen messages, and the
+one flag they share (:class:`ShutdownFlag`).
 
 The protocol, per worker (a thread worker follows it too, with the control pipe absent; a Ray
 actor too, its task queue and result queue carried by actor calls, its batches by the object
-store: :mod:`fastfeed.backends.ray.backend`)::
+store: :mod:`fastfeed.backends.ray`)::
 
     main process                                  worker
     ────────────                                  ──────
     start(WorkerConfig)                 ───────>  seed, worker_init_fn, build the fetcher
-    SlotAdded (+ its fd) / SlotDropped  ─pipe──>  map / unmap; applied before every Task
+    SlotAdded(.., fd) / SlotDropped     ─pipe──>  map / unmap; applied before every Task
     Task(seq, index, slot_id)           ───────>  fetch, collate into the slot, encode
                                         <───────  Answer(seq, Produced | ReplicaEnded | Failed)
     StartEpoch(epoch, dataset_state)    ───────>  (persistent workers) a new fetcher
@@ -20,7 +21,8 @@ Rules both sides rely on:
   stopped or the pool shuts down (then queued tasks are skipped unanswered; the main process
   takes their slots back once the worker has exited).
 * After ``ReplicaEnded`` (its IterableDataset replica is exhausted) a worker answers nothing
-  more in that epoch: the tasks queued behind it never run, and the main process cancels them.
+  more in that epoch: the tasks queued behind it never run, and the main process cancels them
+  (a Ray actor, which must reply to every call, replies ``Skipped`` to them).
 * ``EpochStarted`` comes after the answers to every task of the previous epoch, so once every
   worker has acknowledged, nothing of the old epoch is still on its way.
 * A ``Task`` names a slot the worker was told of (``SlotAdded``) before the task was sent, or
@@ -45,6 +47,7 @@ __all__ = [
     "ReplicaEnded",
     "Shipped",
     "ShutdownFlag",
+    "Skipped",
     "SlotAdded",
     "SlotDropped",
     "StartEpoch",
@@ -210,6 +213,14 @@ class Answer:
 
     seq: int
     outcome: Produced | ReplicaEnded | Failed
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A Ray actor's reply to task ``seq``, queued behind the end of its IterableDataset
+    replica: not run (the main process has cancelled it; a worker process sends nothing)."""
+
+    seq: int
 
 
 @dataclass(frozen=True)

@@ -125,7 +125,7 @@ def test_the_benchmark_compares_ray_with_processes(tmp_path):
 def test_a_batch_lands_on_one_core_and_the_thread_count_comes_back():
     """The landing's torch ops run on one thread (beside busy workers, several contend for
     the cores); the caller's count comes back after, and threads started later get it."""
-    from fastfeed.backends.ray.backend import _on_one_core, _thread_counts_are_per_thread
+    from fastfeed.backends.ray.landing import _on_one_core, _thread_counts_are_per_thread
 
     if not _thread_counts_are_per_thread():
         pytest.skip("torch's thread count is process-wide here: the landing keeps it")

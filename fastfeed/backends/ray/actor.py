@@ -30,6 +30,7 @@ from fastfeed.protocol import (
     Produced,
     ReplicaEnded,
     ShutdownFlag,
+    Skipped,
     StartEpoch,
     Task,
     WorkerConfig,
@@ -68,12 +69,12 @@ class RayWorker:
             name=f"fastfeed-worker-{config.worker_id}", daemon=True)
         self._loop.start()
 
-    def run(self, message: Task | StartEpoch) -> Answer | EpochStarted | None:
-        """The loop's reply to ``message``; None for a task queued behind the end of the
-        worker's IterableDataset replica, which the loop skips (the main process has
+    def run(self, message: Task | StartEpoch) -> Answer | EpochStarted | Skipped:
+        """The loop's reply to ``message``; :class:`Skipped` for a task queued behind the end
+        of the worker's IterableDataset replica, which the loop skips (the main process has
         cancelled it)."""
         if isinstance(message, Task) and self._replica_ended:
-            return None
+            return Skipped(message.seq)
         self._tasks.put(message)
         reply = self._reply()
         if isinstance(reply, EpochStarted):
