@@ -43,6 +43,7 @@ __all__ = [
     "Encoded",
     "EpochStarted",
     "Failed",
+    "PrivateSlot",
     "Produced",
     "ReplicaEnded",
     "Shipped",
@@ -150,6 +151,14 @@ class SlotDropped:
 
 # -- worker -> main process: the result queue --------------------------------------------------
 
+class PrivateSlot(Protocol):
+    """A picklable handle on a slot a worker made for a task sent without one."""
+
+    def detach(self) -> int:
+        """The slot's file descriptor, owned by the caller from now on (once)."""
+        ...
+
+
 @dataclass(frozen=True)
 class Encoded:
     """A batch as it crosses from a worker process: its slot, the pickled structure, the bytes
@@ -160,7 +169,7 @@ class Encoded:
     slot_id: int | None
     payload: bytes
     required: int
-    private_slot: Any = None
+    private_slot: PrivateSlot | None = None
     placed: bytes = b""
 
 

@@ -13,7 +13,6 @@ import os
 import queue
 import random
 import threading
-from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
@@ -42,6 +41,7 @@ from fastfeed.protocol import (
     WorkerConfig,
 )
 from fastfeed.ring.arena import WorkerSlots
+from fastfeed.ring.control import ControlPipe
 
 __all__ = ["worker_info", "worker_loop"]
 
@@ -80,7 +80,7 @@ def worker_loop(
     task_queue: Any,
     result_queue: Any,
     shutting_down: ShutdownFlag,
-    control: Connection | None,
+    control: ControlPipe | None,
 ) -> None:
     """Run one worker until told to stop, or until the main process disappears.
 

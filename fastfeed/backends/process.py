@@ -16,7 +16,6 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
-from multiprocessing.reduction import send_handle
 from typing import Any
 
 from fastfeed.backends.base import (
@@ -28,6 +27,7 @@ from fastfeed.backends.base import (
 )
 from fastfeed.protocol import ShutdownFlag, SlotAdded, SlotDropped, Stop, WorkerConfig
 from fastfeed.ring import SlotRing
+from fastfeed.ring.control import ControlPipe
 from fastfeed.worker import worker_loop
 
 __all__ = ["ProcessBackend", "ProcessWorker"]
@@ -48,7 +48,7 @@ class ProcessWorker:
     worker_id: int
     process: BaseProcess
     task_queue: Any
-    control: Any = None
+    control: ControlPipe | None = None
 
     @property
     def pid(self) -> int | None:
@@ -69,7 +69,6 @@ class ProcessWorker:
                 self.control.send(SlotDropped(slot_id))
             for slot in created:
                 self.control.send(slot)
-                send_handle(self.control, slot.fd, self.process.pid)
         except OSError:
             pass  # the worker died; the pool's liveness check reports it
 
@@ -110,7 +109,7 @@ class ProcessBackend:
         task_queue.cancel_join_thread()
         control = worker_control = None
         if self._ring is not None:
-            control, worker_control = self._context.Pipe(duplex=True)
+            control, worker_control = ControlPipe.pair()
         process = self._context.Process(
             target=worker_loop,
             args=(config, task_queue, self._results, self._shutting_down, worker_control),
