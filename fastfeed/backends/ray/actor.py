@@ -49,12 +49,14 @@ class RayWorker:
     once an actor runs it).
 
     Args:
-        config: the worker's configuration, without its dataset.
-        dataset: the dataset, which the backend puts in the object store once for all
-            workers; Ray resolves it before the actor starts.
+        shared: what every worker of the iterator shares (the script's objects pickled
+            together: see :meth:`fastfeed.backends.ray.backend.RayBackend.spawn`), which the
+            backend puts in the object store once; Ray resolves it before the actor starts.
+        worker_id, num_workers, dataset_state: this worker's seat.
     """
 
-    def __init__(self, config: WorkerConfig, dataset: Any) -> None:
+    def __init__(self, shared: WorkerConfig, worker_id: int, num_workers: int,
+                 dataset_state: Any) -> None:
         from ray import cloudpickle  # in an actor, Ray is there
 
         self._pickler = cloudpickle.CloudPickler
@@ -64,9 +66,11 @@ class RayWorker:
         self._loop = threading.Thread(
             target=worker_loop,
             # Never shutting down: the backend ends the actor itself.
-            args=(replace(config, dataset=dataset, collate_fn=_ReusedMemory(config.collate_fn)),
+            args=(replace(shared, worker_id=worker_id, num_workers=num_workers,
+                          dataset_state=dataset_state,
+                          collate_fn=_ReusedMemory(shared.collate_fn)),
                   self._tasks, self._replies, ShutdownFlag(), None),
-            name=f"fastfeed-worker-{config.worker_id}", daemon=True)
+            name=f"fastfeed-worker-{worker_id}", daemon=True)
         self._loop.start()
 
     def run(self, message: Task | StartEpoch) -> Answer | EpochStarted | Skipped:

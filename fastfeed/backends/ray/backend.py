@@ -75,7 +75,8 @@ class RayBackend:
                          "max_task_retries": 0, "max_concurrency": 1}
         self._token = uuid.uuid4().hex[:8]  # names this backend's actors in `ray list actors`
         self._workers: dict[int, RemoteWorker] = {}
-        self._dataset: tuple[Any, Any] | None = None  # (the dataset, its object reference)
+        # The workers' configuration but their seats, in the object store (see spawn()).
+        self._shared: tuple[WorkerConfig, Any] | None = None
         self._landing = Landing(ring, landing_tail)
 
     # -- starting and ending actors ----------------------------------------------------------
@@ -85,13 +86,23 @@ class RayBackend:
         return worker
 
     def spawn(self, config: WorkerConfig, generation: int) -> Any:
-        """An actor for ``config``'s worker; the dataset is put in the object store once, and
-        each node fetches it once."""
-        if self._dataset is None or self._dataset[0] is not config.dataset:
-            self._dataset = (config.dataset, self._ray.put(config.dataset))
+        """An actor for ``config``'s worker.
+
+        The workers of one iterator differ only in their seat (id, pool size, replica state).
+        All the rest, what each runs of the training script included (the dataset,
+        ``collate_fn``, ``worker_init_fn``), is put in the object store once, in one pickle,
+        which each node fetches once: pickled apart, each of those would arrive with its own
+        copy of the script's globals, and what ``worker_init_fn`` keeps in a global would not
+        reach the dataset, as it does in a worker process. The seat travels with the call."""
+        if self._shared is None:
+            shared = replace(config, worker_id=0, num_workers=0, dataset_state=None)
+            self._shared = (shared, self._ray.put(shared))
+        shared = self._shared[0]
+        assert (shared.dataset is config.dataset and shared.collate_fn is config.collate_fn
+                and shared.worker_init_fn is config.worker_init_fn), "one iterator's workers"
         name = f"fastfeed-{self._token}-worker{config.worker_id}-{generation}"
         return self._actor_class.options(name=name, **self._options).remote(
-            replace(config, dataset=None), self._dataset[1])
+            self._shared[1], config.worker_id, config.num_workers, config.dataset_state)
 
     def kill(self, actor: Any) -> None:
         if self._ray.is_initialized():  # after ray.shutdown() its actors are gone already
@@ -103,7 +114,7 @@ class RayBackend:
         for worker in self._workers.values():
             worker.end()
         self._workers.clear()
-        self._dataset = None
+        self._shared = None
         if then is not None:
             then()
 
