@@ -17,17 +17,8 @@ from fastfeed.arguments import check_arguments, cores_warning_muted
 from fastfeed.autotune import WorkerTuner, initial_workers
 from fastfeed.backends import WorkerKind
 from fastfeed.backends.ray.options import cluster_workers
-from fastfeed.device import (
-    Copier,
-    DeviceIterator,
-    HostCopier,
-    StreamCopier,
-    TorchIteratorHost,
-    check_device,
-    resolve_device,
-)
+from fastfeed.device import DeviceStage, StageOptions, check_device
 from fastfeed.iterators import (
-    BaseIterator,
     CarryOver,
     IteratorSetup,
     SingleProcessIterator,
@@ -37,7 +28,7 @@ from fastfeed.pinning import Pinner
 from fastfeed.resume import EpochStart, LoaderState, RandomSources
 from fastfeed.ring import SlotRing, ring_supported
 from fastfeed.tail import batch_tail_split, place_tail
-from fastfeed.telemetry import GpuSampler, LoaderStats, Telemetry
+from fastfeed.telemetry import LoaderStats, Telemetry
 
 __all__ = ["OWN_OPTIONS", "FastLoader"]
 
@@ -45,13 +36,6 @@ __all__ = ["OWN_OPTIONS", "FastLoader"]
 def _summary(loader_ref: weakref.ref[FastLoader]) -> str:
     loader = loader_ref()
     return "" if loader is None else loader.stats().summary()
-
-
-def _chain(first: Callable[[Any], Any] | None, then: Callable[[Any], Any] | None
-           ) -> Callable[[Any], Any] | None:
-    if first is None or then is None:
-        return first or then
-    return lambda batch: then(first(batch))
 
 
 class FastLoader(DataLoader):
@@ -202,9 +186,7 @@ class FastLoader(DataLoader):
         # garbage collector, which may run their shutdown in any thread.
         self._telemetry = Telemetry(self.log_every,
                                     describe=partial(_summary, weakref.ref(self)))
-        self._gpu_sampler: GpuSampler | None = None
-        self._target: torch.device | None = None  # self.device, resolved at the first iteration
-        self._copy_stream: Any = None  # one per loader, created on first use
+        self._device_stage = DeviceStage(self._telemetry)
         self._ring: SlotRing | None = None  # one per loader, created on first use
         self._live_iterator: Callable[[], Any] = lambda: None
         self._carry_over = CarryOver()  # what iterators learn for the next ones
@@ -220,8 +202,8 @@ class FastLoader(DataLoader):
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__
-        runtime = ("_telemetry", "_gpu_sampler", "_target", "_copy_stream", "_ring",
-                   "_live_iterator", "_carry_over", "_decided_mode", "_iterator")
+        runtime = ("_telemetry", "_device_stage", "_ring", "_live_iterator", "_carry_over",
+                   "_decided_mode", "_iterator")
         return {k: v for k, v in state.items() if k not in runtime}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -241,10 +223,8 @@ class FastLoader(DataLoader):
         Args:
             reset (bool): start counting afresh after this snapshot.
         """
-        if self._gpu_sampler is None:
-            self._gpu_sampler = self._new_gpu_sampler()
         self._sync_tuned_workers()
-        snapshot = self._telemetry.snapshot(self.num_workers, self._gpu_sampler)
+        snapshot = self._telemetry.snapshot(self.num_workers, self._device_stage.gpu_sampler())
         if reset:
             self._telemetry.reset()
         return snapshot
@@ -267,11 +247,6 @@ class FastLoader(DataLoader):
                 f"{m} {r:,.1f} batches/s" for m, r in rates.items()) + f" -> {chosen}")
         return chosen
 
-    @property
-    def _copies_to_cuda(self) -> bool:
-        """fastfeed copies batches to a CUDA device itself (``device="cuda"``)."""
-        return self._target is not None and self._target.type == "cuda"
-
     def _ring_for(self, worker_mode: str) -> SlotRing | None:
         """The loader's ring, made on first use and kept across epochs (page-locking is slow
         and synchronising). Its slots are page-locked only when fastfeed owns every copy out
@@ -279,7 +254,7 @@ class FastLoader(DataLoader):
         if worker_mode not in ("process", "ray") or self.ring_slots == 0 or not ring_supported():
             return None
         if self._ring is None:
-            gpu = self._target.index if self._copies_to_cuda and self._target else None
+            gpu = self._device_stage.copy_device(self.device)
             self._ring = SlotRing(max_slots=0, pin=None if gpu is None else Pinner(gpu))
         return self._ring
 
@@ -347,39 +322,10 @@ class FastLoader(DataLoader):
                           "or the iterator was closed); starting new workers for this epoch",
                           RuntimeWarning, stacklevel=2)
             self._iterator = None
-        if self.device is not None and self._target is None:
-            self._target = resolve_device(self.device)
-        iterator = self._wrap(super().__iter__())
+        iterator = self._device_stage.wrap(super().__iter__(), StageOptions(
+            self.device, self.pin_memory, self.prefetch_depth, self.gpu_transform))
         self._live_iterator = weakref.ref(iterator)
         return iterator
-
-    def _new_gpu_sampler(self) -> GpuSampler:
-        """Reads the GPU this loader feeds (the current device when it copies nothing)."""
-        target = self._target
-        return GpuSampler(target.index if target is not None and target.type == "cuda" else None)
-
-    def _wrap(self, host: Any) -> Any:
-        heads_to_cuda = self._copies_to_cuda or (self.pin_memory and torch.cuda.is_available())
-        if heads_to_cuda and self._gpu_sampler is None:
-            self._gpu_sampler = self._new_gpu_sampler()
-            self._gpu_sampler.start()
-            weakref.finalize(self, self._gpu_sampler.stop)
-        if self._target is None:
-            return host
-        if not isinstance(host, BaseIterator):
-            host = TorchIteratorHost(host)
-        if self.gpu_transform is not None and hasattr(self.gpu_transform, "seed"):
-            # Seeded from the base seed the iterator already drew: no extra generator draws.
-            self.gpu_transform.seed(host.base_seed)
-        copier: Copier = HostCopier(self._target)
-        if self._copies_to_cuda:
-            if self._copy_stream is None:
-                self._copy_stream = torch.cuda.Stream(self._target)
-            copier = StreamCopier(self._target, self._copy_stream)
-        # The tail of what the workers make (persistent workers keep the first iterator's)
-        # runs first, on the copy stream.
-        transform = _chain(host.device_tail, self.gpu_transform)
-        return DeviceIterator(host, copier, self.prefetch_depth, transform, self._telemetry)
 
     def _get_iterator(self) -> Any:
         if is_datapipe(self.dataset):

@@ -104,7 +104,7 @@ def test_bare_cuda_is_the_only_visible_gpu_whatever_the_local_rank(monkeypatch):
 def test_the_gpu_is_chosen_at_the_first_iteration_not_at_construction(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     loader = FastLoader(TensorDataset(), device="cuda")
-    assert loader.device == torch.device("cuda") and loader._target is None
+    assert loader.device == torch.device("cuda") and loader._device_stage._target is None
 
 
 def test_no_slot_leaks_across_epochs_on_the_device_path():
@@ -190,7 +190,7 @@ def test_device_memory_is_flat_across_epochs():
         torch.cuda.synchronize()
         readings.append(torch.cuda.memory_allocated())
     assert readings[-1] <= readings[1]
-    assert loader._copy_stream is not None  # one stream for all epochs
+    assert loader._device_stage.copy_stream is not None  # one stream for all epochs
 
 
 @pytest.mark.gpu

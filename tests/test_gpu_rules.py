@@ -255,7 +255,7 @@ def test_slots_are_page_locked_only_when_fastfeed_owns_the_copy(monkeypatch):
 
     fastfeed_copies = FastLoader(TensorDataset(), batch_size=4, num_workers=2, device="cuda",
                                  pin_memory=True)
-    fastfeed_copies._target = torch.device("cuda", 1)
+    fastfeed_copies._device_stage._target = torch.device("cuda", 1)
     setup = fastfeed_copies._iterator_setup()
     assert setup.ring.pin == Pinner(1) and not setup.pin_batches
 
