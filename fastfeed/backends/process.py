@@ -121,10 +121,11 @@ class ProcessBackend:
         except (TypeError, AttributeError, pickle.PicklingError):
             warnings.warn(_PICKLE_ERROR, stacklevel=2)  # torch's warning, for spawn/forkserver
             raise
+        finally:
+            if worker_control is not None:
+                worker_control.close()  # the worker has its own end now, or never will
         self.workers.append(worker)
         if self._ring is not None:
-            assert worker_control is not None
-            worker_control.close()
             # A worker added late maps the slots that exist already.
             worker.announce_slots(self._ring.slots(), [])
         return worker

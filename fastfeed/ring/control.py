@@ -8,11 +8,13 @@ slot together (the message it is handed carries that descriptor, which it then o
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
-import select
 import socket
 import struct
+from collections.abc import Iterator
+from multiprocessing.connection import Connection
 
 from fastfeed.protocol import SlotAdded, SlotDropped
 
@@ -21,18 +23,34 @@ __all__ = ["ControlPipe"]
 _HEADER = struct.Struct("!I")  # the pickled message's length
 
 
-class ControlPipe:
-    """One end of a control pipe (picklable while a process is being started, as sockets are:
-    the child gets a duplicate)."""
+@contextlib.contextmanager
+def _socket(end: Connection) -> Iterator[socket.socket]:
+    """``end``'s descriptor as a socket, for the calls that take ancillary data; ``end`` keeps
+    owning it."""
+    sock = socket.socket(fileno=end.fileno())
+    try:
+        yield sock
+    finally:
+        sock.detach()
 
-    def __init__(self, end: socket.socket) -> None:
-        self._socket = end
+
+class ControlPipe:
+    """One end of a control pipe.
+
+    Its descriptor is held by a multiprocessing ``Connection``, which gives it that class's
+    life: a duplicate for a child it is handed to as the child starts (spawn, forkserver),
+    and a quiet close when it is dropped unclosed (a reaper lets reference counting close
+    what it holds).
+    """
+
+    def __init__(self, end: Connection) -> None:
+        self._end = end
 
     @classmethod
     def pair(cls) -> tuple[ControlPipe, ControlPipe]:
         """``(main end, worker end)``."""
         main, worker = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        return cls(main), cls(worker)
+        return cls(Connection(main.detach())), cls(Connection(worker.detach()))
 
     def send(self, message: SlotAdded | SlotDropped) -> None:
         """Send ``message`` (and, for a ``SlotAdded``, its descriptor).
@@ -42,8 +60,9 @@ class ControlPipe:
         """
         payload = pickle.dumps(message)
         fds = [message.fd] if isinstance(message, SlotAdded) else []
-        socket.send_fds(self._socket, [_HEADER.pack(len(payload)) + payload], fds,
-                        socket.MSG_NOSIGNAL)
+        with _socket(self._end) as sock:
+            socket.send_fds(sock, [_HEADER.pack(len(payload)) + payload], fds,
+                            socket.MSG_NOSIGNAL)
 
     def receive(self) -> SlotAdded | SlotDropped:
         """The next message, waiting for it.
@@ -51,17 +70,18 @@ class ControlPipe:
         Raises:
             EOFError: the other end is closed.
         """
-        # The descriptor comes with the first bytes of its message: read them with recvmsg.
-        header, fds, _, _ = socket.recv_fds(self._socket, _HEADER.size, 1, socket.MSG_WAITALL)
-        try:
-            if len(header) < _HEADER.size:
-                raise EOFError("the control pipe was closed")
-            (length,) = _HEADER.unpack(header)
-            message = pickle.loads(self._socket.recv(length, socket.MSG_WAITALL))
-        except BaseException:
-            for fd in fds:
-                os.close(fd)
-            raise
+        with _socket(self._end) as sock:
+            # The descriptor comes with the first bytes of its message: read them with recvmsg.
+            header, fds, _, _ = socket.recv_fds(sock, _HEADER.size, 1, socket.MSG_WAITALL)
+            try:
+                if len(header) < _HEADER.size:
+                    raise EOFError("the control pipe was closed")
+                (length,) = _HEADER.unpack(header)
+                message = pickle.loads(sock.recv(length, socket.MSG_WAITALL))
+            except BaseException:
+                for fd in fds:
+                    os.close(fd)
+                raise
         if isinstance(message, SlotAdded):
             (fd,) = fds
             return SlotAdded(message.slot_id, message.nbytes, fd)
@@ -69,9 +89,7 @@ class ControlPipe:
 
     def poll(self) -> bool:
         """Whether a message is waiting."""
-        poller = select.poll()
-        poller.register(self._socket, select.POLLIN)
-        return bool(poller.poll(0))
+        return self._end.poll()
 
     def close(self) -> None:
-        self._socket.close()
+        self._end.close()
