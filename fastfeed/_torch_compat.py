@@ -12,12 +12,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils.data import Dataset, IterableDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 from torch.utils.data._utils import collate as _collate
 from torch.utils.data._utils import worker as _worker
 from torch.utils.data.datapipes.datapipe import IterDataPipe, MapDataPipe
 
 __all__ = [
+    "auto_collation",
     "collate_tensor_fn",
     "collate_with",
     "default_collate",
@@ -74,6 +75,11 @@ def thread_worker_info(worker_id: int, num_workers: int, seed: int, dataset: Dat
         extra["worker_method"] = "thread"
     return _worker.WorkerInfo(id=worker_id, num_workers=num_workers, seed=seed, dataset=dataset,
                               **extra)
+
+
+def auto_collation(loader: DataLoader) -> bool:
+    """Whether ``loader`` batches samples itself (it has a batch sampler)."""
+    return loader._auto_collation
 
 
 def is_iterable_dataset(dataset: Any) -> bool:

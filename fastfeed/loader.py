@@ -7,27 +7,24 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterable
 from functools import partial
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from fastfeed._torch_compat import is_datapipe, is_iterable_dataset
+from fastfeed._torch_compat import is_datapipe
 from fastfeed.arguments import check_arguments, cores_warning_muted
-from fastfeed.autotune import WorkerTuner, initial_workers
-from fastfeed.backends import WorkerKind
+from fastfeed.autotune import initial_workers
 from fastfeed.backends.ray.options import cluster_workers
 from fastfeed.device import DeviceStage, StageOptions, check_device
 from fastfeed.iterators import (
-    CarryOver,
+    IteratorPlanner,
     IteratorSetup,
+    PoolOptions,
     SingleProcessIterator,
     WorkerPoolIterator,
 )
-from fastfeed.pinning import Pinner
 from fastfeed.resume import EpochStart, LoaderState, RandomSources
-from fastfeed.ring import SlotRing, ring_supported
-from fastfeed.tail import batch_tail_split, place_tail
 from fastfeed.telemetry import LoaderStats, Telemetry
 
 __all__ = ["OWN_OPTIONS", "FastLoader"]
@@ -140,6 +137,7 @@ class FastLoader(DataLoader):
             deterministic=deterministic, log_every=log_every, ring_slots=ring_slots,
             prefetch_depth=prefetch_depth, gpu_transform=gpu_transform, device=device)
         self.autotune = num_workers == "auto"
+        self._max_workers = 0  # the tuner's bound, with num_workers="auto"
         if self.autotune:  # Ray actors: the cluster's free resources, not these cores
             num_workers, self._max_workers = (
                 initial_workers() if actors is None else cluster_workers(actors))
@@ -187,23 +185,20 @@ class FastLoader(DataLoader):
         self._telemetry = Telemetry(self.log_every,
                                     describe=partial(_summary, weakref.ref(self)))
         self._device_stage = DeviceStage(self._telemetry)
-        self._ring: SlotRing | None = None  # one per loader, created on first use
+        self._planner = IteratorPlanner(self._telemetry)  # the ring, what carries over
         self._live_iterator: Callable[[], Any] = lambda: None
-        self._carry_over = CarryOver()  # what iterators learn for the next ones
-        self._decided_mode = False
 
     def __setattr__(self, name: str, value: Any) -> None:
         # A count set by hand replaces the tuner's. Subclasses may set num_workers before
         # calling __init__ (litdata's StreamingDataLoader does), when there is no tuner yet.
-        carry_over = self.__dict__.get("_carry_over")
-        if name == "num_workers" and carry_over is not None:
-            carry_over.workers = None
+        planner = self.__dict__.get("_planner")
+        if name == "num_workers" and planner is not None:
+            planner.carry_over.workers = None
         super().__setattr__(name, value)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__
-        runtime = ("_telemetry", "_device_stage", "_ring", "_live_iterator", "_carry_over",
-                   "_decided_mode", "_iterator")
+        runtime = ("_telemetry", "_device_stage", "_planner", "_live_iterator", "_iterator")
         return {k: v for k, v in state.items() if k not in runtime}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -213,7 +208,7 @@ class FastLoader(DataLoader):
 
     def _sync_tuned_workers(self) -> None:
         """With ``num_workers="auto"``, ``num_workers`` follows the tuner between epochs."""
-        tuned = self._carry_over.workers
+        tuned = self._planner.carry_over.workers
         if tuned is not None and tuned != self.num_workers:
             self.__dict__["num_workers"] = tuned
 
@@ -229,60 +224,14 @@ class FastLoader(DataLoader):
             self._telemetry.reset()
         return snapshot
 
-    def _worker_mode_for_next_iterator(self) -> WorkerKind:
-        """``"auto"`` tries each mode for an epoch, then keeps the faster one."""
-        if self.worker_mode != "auto":
-            return cast(WorkerKind, self.worker_mode)  # checked by check_arguments
-        if is_iterable_dataset(self.dataset) or self.deterministic or self.persistent_workers:
-            return "process"
-        rates = self._carry_over.epoch_rates
-        modes: tuple[WorkerKind, ...] = ("process", "thread")
-        for mode in modes:
-            if mode not in rates:
-                return mode
-        chosen = max(modes, key=lambda mode: rates[mode])
-        if not self._decided_mode:
-            self._decided_mode = True
-            self._telemetry.decision("worker_mode auto: " + ", ".join(
-                f"{m} {r:,.1f} batches/s" for m, r in rates.items()) + f" -> {chosen}")
-        return chosen
-
-    def _ring_for(self, worker_mode: str) -> SlotRing | None:
-        """The loader's ring, made on first use and kept across epochs (page-locking is slow
-        and synchronising). Its slots are page-locked only when fastfeed owns every copy out
-        of them (``device="cuda"``): a slot the user copies from must not be (invariant 2)."""
-        if worker_mode not in ("process", "ray") or self.ring_slots == 0 or not ring_supported():
-            return None
-        if self._ring is None:
-            gpu = self._device_stage.copy_device(self.device)
-            self._ring = SlotRing(max_slots=0, pin=None if gpu is None else Pinner(gpu))
-        return self._ring
-
     def _iterator_setup(self) -> IteratorSetup:
         """Everything fastfeed decides for the next iterator (see ``iterators/setup.py``)."""
-        # Replicas of an IterableDataset shard by worker count: keep it fixed.
-        tuner = None
-        if self.autotune and not is_iterable_dataset(self.dataset):
-            tuner = self._carry_over.tuner or WorkerTuner(self.num_workers, self._max_workers)
-            tuner.restart(self.num_workers)
-            self._carry_over.tuner = tuner
-        worker_mode = self._worker_mode_for_next_iterator()
-        return IteratorSetup(
-            telemetry=self._telemetry,
-            carry_over=self._carry_over,
-            worker_mode=worker_mode,
-            ray_options=self.ray_options,
-            tuner=tuner,
-            ring=self._ring_for(worker_mode),
-            pin_batches=self.pin_memory and self.device is None and torch.cuda.is_available(),
-            # ready batches, plus the one being copied
-            held_by_prefetch=0 if self.device is None else self.prefetch_depth + 1,
-            ring_slots=self.ring_slots,
-            deterministic=self.deterministic,
-            record_delivery=self.device is None,
-            tail=place_tail(batch_tail_split(self.dataset, self.collate_fn, self._auto_collation),
-                            on_device=self.device is not None, worker_mode=worker_mode),
-        )
+        options = PoolOptions(
+            worker_mode=self.worker_mode, ray_options=self.ray_options,
+            ring_slots=self.ring_slots, deterministic=self.deterministic,
+            autotune=self.autotune, max_workers=self._max_workers,
+            on_device=self.device is not None, prefetch_depth=self.prefetch_depth)
+        return self._planner.setup(self, options, self._device_stage.copy_device(self.device))
 
     def state_dict(self) -> dict[str, Any]:
         """Return a snapshot from which :meth:`load_state_dict` resumes at the next batch.
@@ -312,7 +261,7 @@ class FastLoader(DataLoader):
         Running persistent workers are let go: the next ``iter()`` starts new ones, seeded as
         those of the run the state comes from.
         """
-        self._carry_over.resume = LoaderState.from_dict(state_dict)
+        self._planner.carry_over.resume = LoaderState.from_dict(state_dict)
         self._iterator = None
 
     def __iter__(self) -> Any:

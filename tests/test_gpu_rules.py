@@ -218,7 +218,7 @@ def test_no_slot_is_rewritten_under_a_queued_copy(gpu, abandon):
         got.append(batch)
         if abandon and i == 10:
             break
-    used, allocated = loader._ring.occupancy
+    used, allocated = loader._planner.ring.occupancy
     assert used == allocated  # every slot a copy read is still fenced
     gc.collect()
     again = list(loader)
@@ -226,7 +226,7 @@ def test_no_slot_is_rewritten_under_a_queued_copy(gpu, abandon):
     assert_same(expected[:len(got)], on_host(gpu, got))
     assert_same(expected, on_host(gpu, again))
     assert gpu.syncs_in("MainThread") == []
-    assert loader._ring.occupancy[0] == 0
+    assert loader._planner.ring.occupancy[0] == 0
 
 
 def test_the_model_shows_a_slot_rewritten_under_a_copy_nothing_fences(gpu, monkeypatch):
@@ -262,7 +262,7 @@ def test_slots_are_page_locked_only_when_fastfeed_owns_the_copy(monkeypatch):
 
 def slot_holding(loader, tensor):
     address = tensor.data_ptr()
-    return any(s.address <= address < s.address + s.nbytes for s in loader._ring._slots.values())
+    return any(s.address <= address < s.address + s.nbytes for s in loader._planner.ring._slots.values())
 
 
 @pytest.mark.filterwarnings("ignore:'pin_memory' argument is set as true")

@@ -29,7 +29,7 @@ def clone(batch):
 
 
 def ring_of(loader):
-    return loader._ring
+    return loader._planner.ring
 
 
 def in_a_slot(loader, leaf):
