@@ -12,7 +12,13 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from fastfeed._torch_compat import is_datapipe
+from fastfeed._torch_compat import (
+    DATALOADER_RUNTIME,
+    drop_persistent_iterator,
+    is_datapipe,
+    persistent_iterator,
+    torch_iterator,
+)
 from fastfeed.arguments import check_arguments, cores_warning_muted
 from fastfeed.autotune import initial_workers
 from fastfeed.backends.ray.options import cluster_workers
@@ -198,12 +204,13 @@ class FastLoader(DataLoader):
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__
-        runtime = ("_telemetry", "_device_stage", "_planner", "_live_iterator", "_iterator")
+        runtime = ("_telemetry", "_device_stage", "_planner", "_live_iterator",
+                   *DATALOADER_RUNTIME)
         return {k: v for k, v in state.items() if k not in runtime}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self.__dict__["_iterator"] = None
+        drop_persistent_iterator(self)
         self._init_runtime()
 
     def _sync_tuned_workers(self) -> None:
@@ -262,15 +269,15 @@ class FastLoader(DataLoader):
         those of the run the state comes from.
         """
         self._planner.carry_over.resume = LoaderState.from_dict(state_dict)
-        self._iterator = None
+        drop_persistent_iterator(self)
 
     def __iter__(self) -> Any:
         self._sync_tuned_workers()
-        if self.persistent_workers and getattr(self._iterator, "closed", False):
+        if self.persistent_workers and getattr(persistent_iterator(self), "closed", False):
             warnings.warn("fastfeed: the persistent workers were shut down (a worker exited, "
                           "or the iterator was closed); starting new workers for this epoch",
                           RuntimeWarning, stacklevel=2)
-            self._iterator = None
+            drop_persistent_iterator(self)
         iterator = self._device_stage.wrap(super().__iter__(), StageOptions(
             self.device, self.pin_memory, self.prefetch_depth, self.gpu_transform))
         self._live_iterator = weakref.ref(iterator)
@@ -279,7 +286,7 @@ class FastLoader(DataLoader):
     def _get_iterator(self) -> Any:
         if is_datapipe(self.dataset):
             # DataPipes (deprecated in torch) need torch's sharding hooks: use torch's iterators.
-            return super()._get_iterator()
+            return torch_iterator(self)
         setup = self._iterator_setup()
         if self.num_workers == 0:
             return SingleProcessIterator(self, setup)

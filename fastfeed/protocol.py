@@ -36,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from torch._utils import ExceptionWrapper
+from fastfeed._torch_compat import ExceptionWrapper
 
 __all__ = [
     "Answer",

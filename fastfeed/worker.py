@@ -17,12 +17,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch._utils import ExceptionWrapper
 from torch.utils.data import get_worker_info
 
 from fastfeed._copy import set_copy_threads
 from fastfeed._proc import available_cpus
 from fastfeed._torch_compat import (
+    ExceptionWrapper,
     name_worker_process,
     numpy_seed,
     set_worker_info,

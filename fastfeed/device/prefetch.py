@@ -8,6 +8,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
+from fastfeed._torch_compat import base_seed_of
 from fastfeed.device.copiers import Copier
 from fastfeed.iterators import HostBatch
 from fastfeed.telemetry import Telemetry, batch_length
@@ -121,7 +122,7 @@ class TorchIteratorHost:
 
     def __init__(self, iterator: Any) -> None:
         self._iterator = iterator
-        self.base_seed: int = iterator._base_seed
+        self.base_seed = base_seed_of(iterator)
 
     def next_host_batch(self) -> HostBatch:
         return HostBatch(next(self._iterator), None)

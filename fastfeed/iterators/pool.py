@@ -16,9 +16,9 @@ import operator
 import time
 from typing import Any
 
-from torch._utils import ExceptionWrapper
 from torch.utils.data import DataLoader
 
+from fastfeed._torch_compat import ExceptionWrapper
 from fastfeed.autotune import TuningWindows
 from fastfeed.backends import make_backend
 from fastfeed.backends.process import ProcessWorker

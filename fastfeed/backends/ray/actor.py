@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch._utils import ExceptionWrapper
 
+from fastfeed._torch_compat import ExceptionWrapper
 from fastfeed.backends.ray.wire import ship
 from fastfeed.collate import as_collate_into
 from fastfeed.protocol import (
