@@ -207,7 +207,8 @@ def test_pin_memory_batches_are_pinned_copies():
             assert tensor.is_pinned()
             assert not any(s.address <= address < s.address + s.nbytes
                            for s in loader._planner.ring._slots.values())
-    assert not any(torch.from_numpy(s.memory).is_pinned() for s in loader._planner.ring._slots.values())
+    slots = loader._planner.ring._slots.values()
+    assert not any(torch.from_numpy(s.memory).is_pinned() for s in slots)
 
 
 @pytest.mark.gpu

@@ -145,7 +145,8 @@ def test_device_tensors_in_a_host_batch_are_read_after_the_stream_that_made_them
     loader = FastLoader(MadeOnTheDevice(), batch_size=4, device="cuda",
                         gpu_transform=lambda batch: batch + 1)
     got = list(loader)
-    gpu.run(loader._device_stage.copy_stream)  # the copy stream first: it must wait for the default one
+    # the copy stream first: it must wait for the default one
+    gpu.run(loader._device_stage.copy_stream)
     want = [torch.arange(i, i + 4, dtype=torch.float32).view(4, 1, 1).expand(4, 3, 4) * 2 + 1
             for i in range(0, 16, 4)]
     assert_same(want, on_host(gpu, got))

@@ -266,8 +266,9 @@ def test_a_break_gives_every_slot_back():
             if i == 1:
                 break
         del _batch
-        assert wait_until(partial(slots_in_use_settle, loader._planner.ring)), loader._planner.ring.occupancy
-    assert loader._planner.ring.occupancy[1] <= loader._planner.ring.max_slots
+        ring = loader._planner.ring
+        assert wait_until(partial(slots_in_use_settle, ring)), ring.occupancy
+    assert ring.occupancy[1] <= ring.max_slots
 
 
 def test_ultralytics_patch_without_ultralytics_says_what_to_install():

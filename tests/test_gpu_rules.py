@@ -262,7 +262,8 @@ def test_slots_are_page_locked_only_when_fastfeed_owns_the_copy(monkeypatch):
 
 def slot_holding(loader, tensor):
     address = tensor.data_ptr()
-    return any(s.address <= address < s.address + s.nbytes for s in loader._planner.ring._slots.values())
+    slots = loader._planner.ring._slots.values()
+    return any(s.address <= address < s.address + s.nbytes for s in slots)
 
 
 @pytest.mark.filterwarnings("ignore:'pin_memory' argument is set as true")
