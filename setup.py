@@ -36,7 +36,7 @@ def _extension(name: str, source: str, flags: tuple[str, ...] = (), **kwargs
 
 
 extensions = [
-    _extension("fastfeed._C", "csrc/gather.cpp"),
+    _extension("fastfeed._gather", "csrc/gather.cpp"),
     # Unfused multiply-adds: the kernels must round as OpenCV's do (see the files' heads).
     # GCC 12 flags its own AVX-512 headers (their undefined registers) as maybe-uninitialized,
     # and the ABI of vector returns from the (always inlined) lane templates.

@@ -71,7 +71,7 @@ if ! jpeg_headers && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
 fi
 python3 setup.py build_ext --inplace >"$out/build.log" 2>&1 \
     || die 1 "building the C++ extensions failed (see build.log)"
-required=(fastfeed._C fastfeed._warp)
+required=(fastfeed._gather fastfeed._warp)
 if jpeg_headers; then
     required+=(fastfeed._jpeg)
 else

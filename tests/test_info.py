@@ -15,7 +15,7 @@ def test_info_reports_what_this_machine_has():
     printed = dict(line.split(" : ", 1) for line in out.splitlines() if " : " in line)
     printed = {key.strip(): value.strip() for key, value in printed.items()}
     assert printed["torch"] == torch.__version__
-    assert printed["C++ extension"] == ("loaded" if importable("fastfeed._C")
+    assert printed["C++ extension"] == ("loaded" if importable("fastfeed._gather")
                                         else "not built: pure-torch copy path")
     for key, distribution in (("DALI", "nvidia-dali-cuda120"), ("torchvision", "torchvision")):
         installed = importlib.util.find_spec(distribution.split("-")[0]) is not None
