@@ -17,12 +17,12 @@ keeps it to itself.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from fastfeed.protocol import Answer, EpochStarted, SlotAdded, StartEpoch, Stop, Task, WorkerConfig
 
-__all__ = ["ABANDONED_GRACE", "SHUTDOWN_GRACE", "FromWorker", "ToWorker", "WorkerBackend",
-           "WorkerExited", "WorkerHandle", "WorkerKind"]
+__all__ = ["ABANDONED_GRACE", "SHUTDOWN_GRACE", "FromWorker", "QueueFedWorker", "ToWorker",
+           "WorkerBackend", "WorkerExited", "WorkerHandle", "WorkerKind"]
 
 WorkerKind = Literal["process", "thread", "ray"]
 ToWorker = Task | StartEpoch | Stop
@@ -70,6 +70,16 @@ class WorkerHandle(Protocol):
     def exit_reason(self) -> str | None:
         """Why the worker is gone, or None while it runs."""
         ...
+
+
+class QueueFedWorker:
+    """A worker that takes its messages from a queue: a process's (shared with it) or a
+    thread's."""
+
+    task_queue: Any
+
+    def send(self, message: ToWorker) -> None:
+        self.task_queue.put(message)
 
 
 class WorkerBackend(Protocol):

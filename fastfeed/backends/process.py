@@ -22,7 +22,7 @@ from fastfeed.backends.base import (
     ABANDONED_GRACE,
     SHUTDOWN_GRACE,
     FromWorker,
-    ToWorker,
+    QueueFedWorker,
     WorkerKind,
 )
 from fastfeed.protocol import ShutdownFlag, SlotAdded, SlotDropped, Stop, WorkerConfig
@@ -41,7 +41,7 @@ _PICKLE_ERROR = (
 
 
 @dataclass
-class ProcessWorker:
+class ProcessWorker(QueueFedWorker):
     """A worker process, its task queue and the main side of its control pipe (None without a
     ring: batches then take torch's shared memory)."""
 
@@ -57,9 +57,6 @@ class ProcessWorker:
     @property
     def task_id(self) -> int | None:
         return self.process.pid
-
-    def send(self, message: ToWorker) -> None:
-        self.task_queue.put(message)
 
     def announce_slots(self, created: Sequence[SlotAdded], retired: Sequence[int]) -> None:
         if self.control is None or self.process.exitcode is not None:

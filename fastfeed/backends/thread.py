@@ -10,7 +10,13 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from fastfeed.backends.base import SHUTDOWN_GRACE, FromWorker, ToWorker, WorkerKind
+from fastfeed.backends.base import (
+    SHUTDOWN_GRACE,
+    FromWorker,
+    QueueFedWorker,
+    ToWorker,
+    WorkerKind,
+)
 from fastfeed.protocol import ShutdownFlag, SlotAdded, Stop, WorkerConfig
 from fastfeed.worker import worker_loop
 
@@ -18,23 +24,17 @@ __all__ = ["ThreadBackend", "ThreadWorker"]
 
 
 @dataclass
-class ThreadWorker:
+class ThreadWorker(QueueFedWorker):
     """A worker thread and its task queue."""
 
     worker_id: int
     thread: threading.Thread
     task_queue: queue.Queue = field(default_factory=queue.Queue)
-
-    @property
-    def pid(self) -> int:
-        return os.getpid()
+    pid: int = field(default_factory=os.getpid)  # this process's
 
     @property
     def task_id(self) -> int | None:
         return self.thread.native_id
-
-    def send(self, message: ToWorker) -> None:
-        self.task_queue.put(message)
 
     def announce_slots(self, created: Sequence[SlotAdded], retired: Sequence[int]) -> None:
         pass  # a thread hands its batch over as it is: it maps no slot
