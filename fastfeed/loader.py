@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from fastfeed._torch_compat import (
     DATALOADER_RUNTIME,
+    auto_collation,
     drop_persistent_iterator,
     is_datapipe,
     persistent_iterator,
@@ -231,14 +232,20 @@ class FastLoader(DataLoader):
             self._telemetry.reset()
         return snapshot
 
+    def _stage_options(self) -> StageOptions:
+        return StageOptions(self.device, self.pin_memory, self.prefetch_depth, self.gpu_transform,
+                            self.num_workers, self.prefetch_factor, auto_collation(self))
+
     def _iterator_setup(self) -> IteratorSetup:
         """Everything fastfeed decides for the next iterator (see ``iterators/setup.py``)."""
+        terms = self._device_stage.terms(self._stage_options())
         options = PoolOptions(
             worker_mode=self.worker_mode, ray_options=self.ray_options,
             ring_slots=self.ring_slots, deterministic=self.deterministic,
             autotune=self.autotune, max_workers=self._max_workers,
-            on_device=self.device is not None, prefetch_depth=self.prefetch_depth)
-        return self._planner.setup(self, options, self._device_stage.copy_device(self.device))
+            on_device=self.device is not None, held_by_stage=terms.held_batches,
+            stage_times_delivery=terms.times_delivery)
+        return self._planner.setup(self, options, terms.copy_device)
 
     def state_dict(self) -> dict[str, Any]:
         """Return a snapshot from which :meth:`load_state_dict` resumes at the next batch.
@@ -278,8 +285,9 @@ class FastLoader(DataLoader):
                           "or the iterator was closed); starting new workers for this epoch",
                           RuntimeWarning, stacklevel=2)
             drop_persistent_iterator(self)
-        iterator = self._device_stage.wrap(super().__iter__(), StageOptions(
-            self.device, self.pin_memory, self.prefetch_depth, self.gpu_transform))
+        if self.persistent_workers:  # nothing may read the iterator that starts an epoch
+            self._device_stage.release_host()
+        iterator = self._device_stage.wrap(super().__iter__(), self._stage_options())
         self._live_iterator = weakref.ref(iterator)
         return iterator
 

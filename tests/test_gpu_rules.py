@@ -249,15 +249,19 @@ def test_slots_are_page_locked_only_when_fastfeed_owns_the_copy(monkeypatch):
     # torch guards only the pinned memory it allocated, so a slot must never be handed out
     # pinned. With device="cuda" fastfeed owns the copy and fences the slot.
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    def copied_into_pinned_memory(loader):  # batches pinned ahead of the consumer, or in next()
+        return loader._device_stage._pinned_ahead(loader._stage_options()) is not None
+
     user_copies = FastLoader(TensorDataset(), batch_size=4, num_workers=2, pin_memory=True)
     setup = user_copies._iterator_setup()
-    assert setup.ring is not None and setup.ring.pin is None and setup.pin_batches
+    assert setup.ring is not None and setup.ring.pin is None
+    assert copied_into_pinned_memory(user_copies)
 
     fastfeed_copies = FastLoader(TensorDataset(), batch_size=4, num_workers=2, device="cuda",
                                  pin_memory=True)
     fastfeed_copies._device_stage._target = torch.device("cuda", 1)
     setup = fastfeed_copies._iterator_setup()
-    assert setup.ring.pin == Pinner(1) and not setup.pin_batches
+    assert setup.ring.pin == Pinner(1) and not copied_into_pinned_memory(fastfeed_copies)
 
 
 def slot_holding(loader, tensor):

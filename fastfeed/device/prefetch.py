@@ -13,7 +13,7 @@ from fastfeed.device.copiers import Copier
 from fastfeed.iterators import HostBatch
 from fastfeed.telemetry import Telemetry, batch_length
 
-__all__ = ["DeviceIterator", "HostIterator", "TorchIteratorHost"]
+__all__ = ["AheadOfConsumer", "DeviceIterator", "HostIterator", "TorchIteratorHost"]
 
 
 class HostIterator(Protocol):
@@ -34,7 +34,23 @@ class HostIterator(Protocol):
     def __len__(self) -> int: ...
 
 
-class DeviceIterator:
+class AheadOfConsumer:
+    """What an iterator that readies its host's batches ahead of the consumer shares: a
+    snapshot resumes after the last batch delivered, not the last one readied."""
+
+    def __init__(self, host: HostIterator) -> None:
+        self._host = host
+        self._delivered_at = host.position()  # where the host stood after handing it over
+
+    def __len__(self) -> int:
+        return len(self._host)
+
+    def state_dict(self) -> Any:
+        """The host iterator's snapshot as of the last batch this iterator delivered."""
+        return self._host.state_at(self._delivered_at)
+
+
+class DeviceIterator(AheadOfConsumer):
     """Wraps a host iterator; yields batches already on the device, ``depth`` batches ahead.
 
     The host batch is dropped as soon as its copy is queued: the slot the copy reads is
@@ -55,7 +71,7 @@ class DeviceIterator:
         transform: Callable[[Any], Any] | None,
         telemetry: Telemetry | None = None,
     ) -> None:
-        self._host = host
+        super().__init__(host)
         self._copier = copier
         self._telemetry = telemetry or Telemetry()
         self._depth = depth
@@ -65,18 +81,9 @@ class DeviceIterator:
         # ((device batch, event) or its Future, where the host stood after handing it over)
         self._ready: deque[tuple[Any, Any]] = deque()
         self._exhausted = False
-        # Batches copied ahead are not delivered yet: resume from the last delivered one.
-        self._delivered_at = host.position()
 
     def __iter__(self) -> DeviceIterator:
         return self
-
-    def __len__(self) -> int:
-        return len(self._host)
-
-    def state_dict(self) -> Any:
-        """The host iterator's snapshot as of the last batch this iterator delivered."""
-        return self._host.state_at(self._delivered_at)
 
     def close(self) -> None:
         """Drop the batches copied ahead, then close the host iterator (the fences keep the

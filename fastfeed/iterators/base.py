@@ -16,12 +16,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils.data import DataLoader
 
-from fastfeed._torch_compat import (
-    index_sampler,
-    is_iterable_dataset,
-    iterable_len_called,
-    pin_memory,
-)
+from fastfeed._torch_compat import index_sampler, is_iterable_dataset, iterable_len_called
 from fastfeed.iterators.setup import IteratorSetup
 from fastfeed.protocol import WorkerConfig
 from fastfeed.resume import EpochStart, LoaderState, RandomSources
@@ -54,7 +49,7 @@ class Position:
 
 
 class BaseIterator:
-    """Sampler iteration, seeding, pinning, snapshots and the IterableDataset length check.
+    """Sampler iteration, seeding, snapshots and the IterableDataset length check.
 
     The device stage reads a host iterator only through :meth:`next_host_batch`,
     :meth:`position`, :meth:`state_at`, :attr:`base_seed`, :attr:`device_tail`, ``len()``
@@ -225,11 +220,6 @@ class BaseIterator:
 
     def _next_data(self) -> HostBatch:
         raise NotImplementedError
-
-    def _pin(self, batch: Any) -> Any:
-        # Copies into torch's pinned pool, never pins the slot in place: the user drives the
-        # copy, and torch guards only the pinned memory it allocated (DESIGN.md invariant 2).
-        return pin_memory(batch, "cuda") if self._setup.pin_batches else batch
 
     def _after_delivery(self) -> None:
         """Called after each batch is handed over (the worker pool tunes itself here)."""

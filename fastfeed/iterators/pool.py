@@ -223,7 +223,7 @@ class WorkerPoolIterator(BaseIterator):
                 if entry.dataset_state is not None:
                     self._dataset_states[entry.worker_id] = entry.dataset_state
                 batch, lease = entry.result
-                return HostBatch(self._pin(batch), lease)
+                return HostBatch(batch, lease)
             if self._book.finished:
                 self._epoch_finished()
                 raise StopIteration

@@ -14,7 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-import torch
 from torch.utils.data import DataLoader
 
 from fastfeed._torch_compat import auto_collation, is_iterable_dataset
@@ -55,8 +54,7 @@ class IteratorSetup:
     ray_options: dict[str, Any] | None = None  # where Ray actors go (worker_mode="ray")
     tuner: WorkerTuner | None = None
     ring: SlotRing | None = None  # the loader's ring, for process workers
-    pin_batches: bool = False  # pin_memory=True: copy batches into torch's pinned memory
-    held_by_prefetch: int = 0  # host batches a device prefetcher holds on to
+    held_by_prefetch: int = 0  # host batches the device stage holds on to
     ring_slots: int | None = None
     deterministic: bool = False
     # False when a device stage wraps the iterator: it measures the consumer's wait itself.
@@ -73,7 +71,9 @@ class PoolOptions:
     Attributes:
         worker_mode: ``"process"``, ``"thread"``, ``"ray"`` or ``"auto"``.
         max_workers: with ``autotune``, the most workers the tuner may start.
-        on_device: a ``device`` was given: a device stage wraps the iterator.
+        on_device: a ``device`` was given: batches are finished on it.
+        held_by_stage: host batches the device stage holds at once (their slots stay out).
+        stage_times_delivery: the device stage measures the consumer's wait itself.
     """
 
     worker_mode: str = "process"
@@ -83,7 +83,8 @@ class PoolOptions:
     autotune: bool = False
     max_workers: int = 0
     on_device: bool = False
-    prefetch_depth: int = 2
+    held_by_stage: int = 0
+    stage_times_delivery: bool = False
 
 
 class IteratorPlanner:
@@ -120,13 +121,10 @@ class IteratorPlanner:
             ray_options=options.ray_options,
             tuner=tuner,
             ring=self._ring(worker_mode, options.ring_slots, copy_device),
-            pin_batches=(loader.pin_memory and not options.on_device
-                         and torch.cuda.is_available()),
-            # ready batches, plus the one being copied
-            held_by_prefetch=options.prefetch_depth + 1 if options.on_device else 0,
+            held_by_prefetch=options.held_by_stage,
             ring_slots=options.ring_slots,
             deterministic=options.deterministic,
-            record_delivery=not options.on_device,
+            record_delivery=not options.stage_times_delivery,
             tail=place_tail(split, on_device=options.on_device, worker_mode=worker_mode),
         )
 
