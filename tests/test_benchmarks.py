@@ -98,3 +98,12 @@ def test_accelerate_pixels_tabulates_each_size(tmp_path):
     folder = make_imagefolder(tmp_path / "imgs", images=4, classes=1)
     out = run("accelerate_pixels.py", "--data", str(folder), "--sizes", "32,16", "--seeds", "2")
     assert "| 32 |" in out and "| 16 |" in out
+
+
+def test_pin_ahead_runs_on_cpu():
+    """The cost of next() with pin_memory=True, against the stock loader, with the stand-in
+    copy: neither loader copies in next()."""
+    out = run("pin_ahead.py", "--rounds", "1", "--batches", "4", "--warmup", "1",
+              "--step-ms", "20", "--batch-size", "2")
+    assert "| stock |" in out and "| fastfeed |" in out
+    assert out.count("| 0 of ") == 2
