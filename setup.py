@@ -2,7 +2,7 @@
 
 All are plain C++ with pybind11: none needs torch nor CUDA at build time.
 
-- ``fastfeed._C``: the gather kernels that copy samples into ring slots.
+- ``fastfeed._gather``: the gather kernels that copy samples into ring slots.
 - ``fastfeed._warp``: OpenCV's bilinear warp for scale-and-translate matrices, separably
   (Ultralytics' default random perspective).
 - ``fastfeed._hsv``: Ultralytics' HSV jitter (OpenCV's BGR->HSV, a lookup, HSV->BGR) in one pass.
@@ -92,7 +92,7 @@ def _extension(name: str, source: str, flags: tuple[str, ...] = (), **kwargs
 
 
 extensions = [
-    _extension("fastfeed._C", "csrc/gather.cpp"),
+    _extension("fastfeed._gather", "csrc/gather.cpp"),
     # Unfused multiply-adds: the kernels must round as OpenCV's do (see the files' heads).
     # GCC 12 flags its own AVX-512 headers (their undefined registers) as maybe-uninitialized,
     # and the ABI of vector returns from the (always inlined) lane templates.

@@ -117,7 +117,7 @@ timeout 150 python3 setup.py build_ext --inplace -j "$cores" >"$logs/build.log" 
     || die 1 "building the C++ extensions failed or took over 150 s (see build.log)"
 printf 'build\t0\t%s\n' "$(( SECONDS - start ))" >>"$logs/stages.tsv"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-for module in fastfeed._C fastfeed._warp; do  # benchmarks without them measure fallbacks
+for module in fastfeed._gather fastfeed._warp; do  # benchmarks without them measure fallbacks
     python3 -c "import $module" >>"$logs/build.log" 2>&1 \
         || die 1 "extension $module did not build or does not import (see build.log)"
 done

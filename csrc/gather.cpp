@@ -1,4 +1,4 @@
-// fastfeed._C: the hot copy of the ring path.
+// fastfeed._gather: the hot copy of the ring path.
 //
 // Workers gather the samples of a batch straight into a shared-memory slot. The copies run
 // with the GIL released and, when a batch is large, on several threads. The module links to
@@ -118,7 +118,7 @@ void gather_hwc_to_chw(uintptr_t dst, const std::vector<StridedImage>& sources, 
 
 }  // namespace
 
-PYBIND11_MODULE(_C, m) {
+PYBIND11_MODULE(_gather, m) {
     m.doc() = "fastfeed's gather kernels: copies into ring slots with the GIL released.";
     m.def("gather", &gather, py::arg("dst"), py::arg("sources"), py::arg("nbytes"),
           py::arg("threads") = 0,

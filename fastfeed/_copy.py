@@ -1,6 +1,6 @@
 """The hot copy: gather samples into a ring slot.
 
-``fastfeed._C`` does it with the GIL released and several threads for large batches. Where the
+``fastfeed._gather`` does it with the GIL released and several threads for large batches. Where the
 extension was not built, ``torch.stack(out=...)`` does the same work in one thread, so results
 never depend on which path ran.
 """
@@ -16,9 +16,9 @@ import torch
 
 try:
     # By name: an extension module is no layer of the package (see pyproject's import contract).
-    _C: Any = importlib.import_module("fastfeed._C")
+    _gather: Any = importlib.import_module("fastfeed._gather")
 except ImportError:  # built without a compiler: the pure-torch path takes over
-    _C = None
+    _gather = None
 
 __all__ = ["bytes_are_values", "extension_loaded", "set_copy_threads", "stack_hwc_to_chw",
            "stack_into"]
@@ -55,8 +55,8 @@ def _lazy_view(tensor: torch.Tensor) -> bool:
 
 
 def extension_loaded() -> bool:
-    """Return whether the compiled gather kernels (``fastfeed._C``) are in use."""
-    return _C is not None
+    """Return whether the compiled gather kernels (``fastfeed._gather``) are in use."""
+    return _gather is not None
 
 
 def stack_into(out: torch.Tensor, samples: Sequence[torch.Tensor], threads: int | None = None
@@ -69,7 +69,7 @@ def stack_into(out: torch.Tensor, samples: Sequence[torch.Tensor], threads: int 
     if out.shape[0] != len(samples):
         raise ValueError(f"out holds {out.shape[0]} samples but {len(samples)} were given")
     if (
-        _C is not None
+        _gather is not None
         and out.is_contiguous()
         and all(s.dtype == out.dtype and s.is_contiguous() and not _lazy_view(s)
                 for s in samples)
@@ -77,7 +77,7 @@ def stack_into(out: torch.Tensor, samples: Sequence[torch.Tensor], threads: int 
     ):
         if samples:
             nbytes = out.nbytes // len(samples)
-            _C.gather(out.data_ptr(), [s.data_ptr() for s in samples], nbytes,
+            _gather.gather(out.data_ptr(), [s.data_ptr() for s in samples], nbytes,
                       _copy_threads if threads is None else threads)
     else:
         torch.stack(list(samples), 0, out=out)
@@ -123,9 +123,9 @@ def stack_hwc_to_chw(
                 f"expected ({h}, {w}, {c}) uint8"
             )
     pairs = list(zip(images, reverse, strict=True))
-    if _C is not None:
-        _C.gather_hwc_to_chw(out.data_ptr(), [_strided(image, r) for image, r in pairs], h, w, c,
-                             _copy_threads if threads is None else threads)
+    if _gather is not None:
+        _gather.gather_hwc_to_chw(out.data_ptr(), [_strided(image, r) for image, r in pairs],
+                                  h, w, c, _copy_threads if threads is None else threads)
     else:
         chw = [(np.asarray(image).transpose(2, 0, 1), r) for image, r in pairs]
         torch.stack([torch.from_numpy(np.ascontiguousarray(x[::-1] if r else x)) for x, r in chw],

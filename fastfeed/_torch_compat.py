@@ -1,9 +1,12 @@
 """Every use of a torch internal, in one place.
 
 FastLoader owns its iterators and workers, but some behaviour users rely on lives in torch's
-private modules: the per-worker numpy seed, and the module global behind
-``torch.utils.data.get_worker_info()``. Keeping those touches here makes a torch upgrade a
-one-file review.
+private modules: the per-worker numpy seed, the module global behind
+``torch.utils.data.get_worker_info()``, the wrapper a worker's exception travels in, and the
+private attributes and hooks of ``DataLoader`` and its iterators (its index sampler, its
+persistent iterator, its own ``_get_iterator``). Keeping those touches here makes a torch
+upgrade a one-file review. (``FastLoader._get_iterator`` overrides torch's hook of that name:
+that override is the one private name fastfeed defines rather than reads.)
 """
 
 from __future__ import annotations
@@ -12,24 +15,37 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils.data import Dataset, IterableDataset
+from torch._utils import ExceptionWrapper
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 from torch.utils.data._utils import collate as _collate
 from torch.utils.data._utils import worker as _worker
 from torch.utils.data.datapipes.datapipe import IterDataPipe, MapDataPipe
 
 __all__ = [
+    "DATALOADER_RUNTIME",
+    "ExceptionWrapper",
+    "auto_collation",
+    "base_seed_of",
     "collate_tensor_fn",
     "collate_with",
     "default_collate",
     "default_convert",
+    "drop_persistent_iterator",
+    "index_sampler",
     "is_datapipe",
     "is_iterable_dataset",
+    "iterable_len_called",
     "name_worker_process",
     "numpy_seed",
+    "persistent_iterator",
     "pin_memory",
     "set_worker_info",
     "thread_worker_info",
+    "torch_iterator",
 ]
+
+# DataLoader's own state that a copy of a loader must not share: its persistent iterator.
+DATALOADER_RUNTIME = ("_iterator",)
 
 default_collate = _collate.default_collate
 default_convert = _collate.default_convert
@@ -74,6 +90,42 @@ def thread_worker_info(worker_id: int, num_workers: int, seed: int, dataset: Dat
         extra["worker_method"] = "thread"
     return _worker.WorkerInfo(id=worker_id, num_workers=num_workers, seed=seed, dataset=dataset,
                               **extra)
+
+
+def auto_collation(loader: DataLoader) -> bool:
+    """Whether ``loader`` batches samples itself (it has a batch sampler)."""
+    return loader._auto_collation
+
+
+def index_sampler(loader: DataLoader) -> Any:
+    """What ``loader``'s iterators draw indices from: its batch sampler, or its sampler."""
+    return loader._index_sampler
+
+
+def iterable_len_called(loader: DataLoader) -> int | None:
+    """The length ``len(loader)`` reported for an IterableDataset (None if never asked), which
+    torch's iterators warn about when more batches come."""
+    return loader._IterableDataset_len_called
+
+
+def persistent_iterator(loader: DataLoader) -> Any:
+    """The iterator ``loader`` keeps for its persistent workers (None before one is made)."""
+    return loader._iterator
+
+
+def drop_persistent_iterator(loader: DataLoader) -> None:
+    """Make ``loader``'s next ``iter()`` build a new iterator (new persistent workers)."""
+    loader._iterator = None
+
+
+def torch_iterator(loader: DataLoader) -> Any:
+    """The iterator torch's own ``DataLoader`` would make for ``loader``."""
+    return DataLoader._get_iterator(loader)
+
+
+def base_seed_of(iterator: Any) -> int:
+    """The base seed a torch iterator drew for its workers."""
+    return iterator._base_seed
 
 
 def is_iterable_dataset(dataset: Any) -> bool:

@@ -6,6 +6,10 @@ descriptor: offset, shape, strides, dtype. Everything else (strings, numbers, cu
 and tensors that do not fit) pickles as usual, through torch's own shared-memory reductions.
 The main process unpickles with the matching hook and rebuilds each descriptor as a view of a
 lease on the slot. This works for any batch structure, including custom ``collate_fn`` output.
+
+The descriptors (persistent ids) are typed: :class:`SlotTensor` and :class:`SlotArray` (a
+region of the slot), :class:`ToPlace` (a tensor placed once the whole batch is seen, whose
+descriptor travels in ``Encoded.placed``) and :class:`Unplaced` (one that did not fit).
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from __future__ import annotations
 import io
 import pickle
 from multiprocessing.reduction import ForkingPickler
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -23,12 +27,55 @@ from fastfeed.protocol import Encoded
 from fastfeed.ring.arena import Arena
 from fastfeed.ring.slots import Lease
 
-__all__ = ["decode", "encode", "slot_bytes_needed"]
+__all__ = ["SlotArray", "SlotTensor", "ToPlace", "Unplaced", "decode", "encode",
+           "slot_bytes_needed"]
 
 
 # A storage up to this many times larger than the bytes a batch views of it is copied whole
 # (views that share it keep sharing it); a larger one, only the parts the batch views.
 _WHOLE_STORAGE_LIMIT = 4
+
+
+class SlotTensor(NamedTuple):
+    """A tensor over bytes ``[region, region + length)`` of the slot, starting
+    ``element_offset`` elements in. ``serial`` is its identity in the batch: every
+    descriptor with that serial is rebuilt as the same object."""
+
+    serial: int
+    region: int
+    length: int
+    element_offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+
+class SlotArray(NamedTuple):
+    """A numpy array at byte ``offset`` of the slot, in C or Fortran order."""
+
+    serial: int
+    offset: int
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    order: Literal["C", "F"]
+
+
+class ToPlace(NamedTuple):
+    """A tensor placed in the slot once the whole batch is seen; its descriptor is under
+    ``serial`` in the placed table (``Encoded.placed``)."""
+
+    serial: int
+
+
+class Unplaced(NamedTuple):
+    """In the placed table: a tensor that did not fit in the slot, pickled by torch's own
+    reductions."""
+
+    tensor: torch.Tensor
+
+
+class _Counted(NamedTuple):
+    """What a measuring pickler writes for an array it counted (never unpickled)."""
 
 
 def _extent(tensor: torch.Tensor) -> tuple[int, int]:
@@ -70,7 +117,7 @@ class _SlotPickler(ForkingPickler):
         self._arena = arena
         # id -> (object, its descriptor): pickle's memo comes after persistent_id, so an object
         # met twice is remembered here, and rebuilt once (as the same object, as pickle does).
-        self._seen: dict[int, tuple[Any, tuple]] = {}
+        self._seen: dict[int, tuple[Any, SlotTensor | SlotArray | ToPlace]] = {}
         # (storage address, storage bytes) -> [(serial, tensor)]: the tensors to place.
         # Two storages may start at one address with other sizes.
         self._to_place: dict[tuple[int, int], list[tuple[int, torch.Tensor]]] = {}
@@ -80,6 +127,7 @@ class _SlotPickler(ForkingPickler):
         if seen is not None:
             return seen[1]
         serial = len(self._seen)  # the object's identity in this batch
+        pid: SlotTensor | SlotArray | ToPlace | None
         if bytes_are_values(obj):
             pid = self._tensor_id(obj, serial)
         elif type(obj) is np.ndarray and not obj.dtype.hasobject:
@@ -90,24 +138,24 @@ class _SlotPickler(ForkingPickler):
             self._seen[id(obj)] = (obj, pid)
         return pid
 
-    def _tensor_id(self, tensor: torch.Tensor, serial: int) -> tuple | None:
+    def _tensor_id(self, tensor: torch.Tensor, serial: int) -> SlotTensor | ToPlace | None:
         if self._arena.owns(tensor):  # stacked into the slot by the collate step: no copy
             first, length = _extent(tensor)
-            return ("tensor", serial, first, length, 0, tuple(tensor.shape),
-                    tuple(tensor.stride()), tensor.dtype)
+            return SlotTensor(serial, first, length, 0, tuple(tensor.shape),
+                              tuple(tensor.stride()), tensor.dtype)
         storage = tensor.untyped_storage()
         if storage.is_shared():
             return None  # already in shared memory (torch's collate did it): send its handle
         key = (storage.data_ptr(), storage.nbytes())
         self._to_place.setdefault(key, []).append((serial, tensor))
-        return ("placed", serial)
+        return ToPlace(serial)
 
-    def place_tensors(self) -> dict[int, tuple]:
+    def place_tensors(self) -> dict[int, SlotTensor | Unplaced]:
         """Copy the tensors met outside the slot into it: per storage, the whole storage when
         the batch views a good part of it, else each span the batch views (a row of a dataset's
-        big tensor is copied alone). Returns each one's descriptor by serial, or
-        ``("object", tensor)`` for one that did not fit (pickled by torch's reductions)."""
-        placed: dict[int, tuple] = {}
+        big tensor is copied alone). Returns each one's descriptor by serial (:class:`Unplaced`
+        for one that did not fit)."""
+        placed: dict[int, SlotTensor | Unplaced] = {}
         for tensors in self._to_place.values():
             storage = tensors[0][1].untyped_storage()
             extents = {serial: _extent(tensor) for serial, tensor in tensors}
@@ -120,8 +168,8 @@ class _SlotPickler(ForkingPickler):
                     first, nbytes = extents[serial]
                     if not start <= first <= first + nbytes <= start + length:
                         continue
-                    placed[serial] = ("object", tensor) if region is None else (
-                        "tensor", serial, region, length, (first - start) // tensor.element_size(),
+                    placed[serial] = Unplaced(tensor) if region is None else SlotTensor(
+                        serial, region, length, (first - start) // tensor.element_size(),
                         tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
         return placed
 
@@ -133,7 +181,7 @@ class _SlotPickler(ForkingPickler):
             self._arena.buffer[offset : offset + length].copy_(source)
         return offset
 
-    def _array_id(self, array: np.ndarray, serial: int) -> tuple | None:
+    def _array_id(self, array: np.ndarray, serial: int) -> SlotArray | None:
         if not array.dtype.isnative:
             return None  # numpy's own pickling makes it native: keep exactly what it gives
         offset = self._arena.allocate(array.nbytes)
@@ -146,7 +194,7 @@ class _SlotPickler(ForkingPickler):
         order: Literal["C", "F"] = "F" if fortran else "C"
         np.copyto(np.ndarray(array.shape, array.dtype, buffer=dest, order=order), array)
         # The dtype itself: its string form loses a structured dtype's fields.
-        return ("array", serial, offset, array.shape, array.dtype, order)
+        return SlotArray(serial, offset, array.shape, array.dtype, order)
 
 
 class _MeasuringPickler(_SlotPickler):
@@ -156,9 +204,9 @@ class _MeasuringPickler(_SlotPickler):
     def persistent_id(self, obj: Any) -> Any:
         super().persistent_id(obj)
         if isinstance(obj, (torch.Tensor, torch.UntypedStorage, torch.TypedStorage)):
-            return "measured"
+            return _Counted()
         if isinstance(obj, np.ndarray) and not obj.dtype.hasobject:
-            return "measured"  # an object array is pickled by element: its tensors count
+            return _Counted()  # an object array is pickled by element: its tensors count
         return None
 
 
@@ -191,7 +239,7 @@ def encode(batch: Any, arena: Arena) -> Encoded:
 
 class _SlotUnpickler(pickle.Unpickler):
     def __init__(self, file: io.BytesIO, lease: np.ndarray | None,
-                 placed: dict[int, tuple]) -> None:
+                 placed: dict[int, SlotTensor | Unplaced]) -> None:
         super().__init__(file)
         self._lease = lease
         self._placed = placed
@@ -200,7 +248,9 @@ class _SlotUnpickler(pickle.Unpickler):
         self.views: list[Any] = []  # the objects rebuilt over the lease
 
     def persistent_load(self, pid: Any) -> Any:
-        serial = pid[1]
+        if not isinstance(pid, (SlotTensor, SlotArray, ToPlace)):
+            raise pickle.UnpicklingError(f"unknown fastfeed persistent id {pid!r}")
+        serial = pid.serial
         if serial not in self._rebuilt:
             self._rebuilt[serial] = self._rebuild(pid)
         return self._rebuilt[serial]
@@ -222,18 +272,17 @@ class _SlotUnpickler(pickle.Unpickler):
         # A storage of one dtype may be viewed as a wider one over fewer bytes than its all.
         return raw[: length - length % dtype.itemsize].view(dtype)
 
-    def _rebuild(self, pid: tuple) -> Any:
-        if pid[0] == "placed":
-            pid = self._placed[pid[1]]
-            if pid[0] == "object":
-                return pid[1]
-        kind = pid[0]
-        if kind == "tensor":
-            _, _, region, length, element_offset, shape, stride, dtype = pid
-            view: Any = torch.as_strided(self._storage(region, length, dtype), shape, stride,
-                                         element_offset)
-        elif kind == "array":
-            _, _, offset, shape, dtype, order = pid
+    def _rebuild(self, pid: SlotTensor | SlotArray | ToPlace) -> Any:
+        if isinstance(pid, ToPlace):
+            placed = self._placed[pid.serial]
+            if isinstance(placed, Unplaced):
+                return placed.tensor
+            pid = placed
+        if isinstance(pid, SlotTensor):
+            view: Any = torch.as_strided(self._storage(pid.region, pid.length, pid.dtype),
+                                         pid.shape, pid.stride, pid.element_offset)
+        else:
+            offset, shape, dtype = pid.offset, pid.shape, pid.dtype
             assert self._lease is not None
             count = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
             if dtype.itemsize == 0:  # frombuffer refuses such dtypes; there are no bytes anyway
@@ -242,9 +291,7 @@ class _SlotUnpickler(pickle.Unpickler):
             # chain of array views past the lease, and a tensor's memory can be moved away
             # (share_memory_(), a torch.multiprocessing queue) and the lease with it.
             window = self._lease.data[offset : offset + count]  # a memoryview of the lease
-            view = np.frombuffer(window, dtype=dtype).reshape(shape, order=order)
-        else:
-            raise pickle.UnpicklingError(f"unknown fastfeed persistent id {kind!r}")
+            view = np.frombuffer(window, dtype=dtype).reshape(shape, order=pid.order)
         self.views.append(view)
         return view
 

@@ -12,31 +12,27 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from fastfeed._torch_compat import is_datapipe, is_iterable_dataset
-from fastfeed.arguments import check_arguments, cores_warning_muted
-from fastfeed.autotune import WorkerTuner, initial_workers
-from fastfeed.cluster.options import cluster_workers
-from fastfeed.device import (
-    Copier,
-    DeviceIterator,
-    HostCopier,
-    StreamCopier,
-    TorchIteratorHost,
-    check_device,
-    resolve_device,
+from fastfeed._torch_compat import (
+    DATALOADER_RUNTIME,
+    auto_collation,
+    drop_persistent_iterator,
+    is_datapipe,
+    persistent_iterator,
+    torch_iterator,
 )
+from fastfeed.arguments import check_arguments, cores_warning_muted
+from fastfeed.autotune import initial_workers
+from fastfeed.backends.ray.options import cluster_workers
+from fastfeed.device import DeviceStage, StageOptions, check_device
 from fastfeed.iterators import (
-    BaseIterator,
-    CarryOver,
+    IteratorPlanner,
     IteratorSetup,
+    PoolOptions,
     SingleProcessIterator,
     WorkerPoolIterator,
 )
-from fastfeed.pinning import Pinner
 from fastfeed.resume import EpochStart, LoaderState, RandomSources
-from fastfeed.ring import SlotRing, ring_supported
-from fastfeed.tail import batch_tail_split, place_tail
-from fastfeed.telemetry import GpuSampler, LoaderStats, Telemetry
+from fastfeed.telemetry import LoaderStats, Telemetry
 
 __all__ = ["OWN_OPTIONS", "FastLoader"]
 
@@ -44,13 +40,6 @@ __all__ = ["OWN_OPTIONS", "FastLoader"]
 def _summary(loader_ref: weakref.ref[FastLoader]) -> str:
     loader = loader_ref()
     return "" if loader is None else loader.stats().summary()
-
-
-def _chain(first: Callable[[Any], Any] | None, then: Callable[[Any], Any] | None
-           ) -> Callable[[Any], Any] | None:
-    if first is None or then is None:
-        return first or then
-    return lambda batch: then(first(batch))
 
 
 class FastLoader(DataLoader):
@@ -155,6 +144,7 @@ class FastLoader(DataLoader):
             deterministic=deterministic, log_every=log_every, ring_slots=ring_slots,
             prefetch_depth=prefetch_depth, gpu_transform=gpu_transform, device=device)
         self.autotune = num_workers == "auto"
+        self._max_workers = 0  # the tuner's bound, with num_workers="auto"
         if self.autotune:  # Ray actors: the cluster's free resources, not these cores
             num_workers, self._max_workers = (
                 initial_workers() if actors is None else cluster_workers(actors))
@@ -201,36 +191,32 @@ class FastLoader(DataLoader):
         # garbage collector, which may run their shutdown in any thread.
         self._telemetry = Telemetry(self.log_every,
                                     describe=partial(_summary, weakref.ref(self)))
-        self._gpu_sampler: GpuSampler | None = None
-        self._target: torch.device | None = None  # self.device, resolved at the first iteration
-        self._copy_stream: Any = None  # one per loader, created on first use
-        self._ring: SlotRing | None = None  # one per loader, created on first use
+        self._device_stage = DeviceStage(self._telemetry)
+        self._planner = IteratorPlanner(self._telemetry)  # the ring, what carries over
         self._live_iterator: Callable[[], Any] = lambda: None
-        self._carry_over = CarryOver()  # what iterators learn for the next ones
-        self._decided_mode = False
 
     def __setattr__(self, name: str, value: Any) -> None:
         # A count set by hand replaces the tuner's. Subclasses may set num_workers before
         # calling __init__ (litdata's StreamingDataLoader does), when there is no tuner yet.
-        carry_over = self.__dict__.get("_carry_over")
-        if name == "num_workers" and carry_over is not None:
-            carry_over.workers = None
+        planner = self.__dict__.get("_planner")
+        if name == "num_workers" and planner is not None:
+            planner.carry_over.workers = None
         super().__setattr__(name, value)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__
-        runtime = ("_telemetry", "_gpu_sampler", "_target", "_copy_stream", "_ring",
-                   "_live_iterator", "_carry_over", "_decided_mode", "_iterator")
+        runtime = ("_telemetry", "_device_stage", "_planner", "_live_iterator",
+                   *DATALOADER_RUNTIME)
         return {k: v for k, v in state.items() if k not in runtime}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self.__dict__["_iterator"] = None
+        drop_persistent_iterator(self)
         self._init_runtime()
 
     def _sync_tuned_workers(self) -> None:
         """With ``num_workers="auto"``, ``num_workers`` follows the tuner between epochs."""
-        tuned = self._carry_over.workers
+        tuned = self._planner.carry_over.workers
         if tuned is not None and tuned != self.num_workers:
             self.__dict__["num_workers"] = tuned
 
@@ -240,72 +226,26 @@ class FastLoader(DataLoader):
         Args:
             reset (bool): start counting afresh after this snapshot.
         """
-        if self._gpu_sampler is None:
-            self._gpu_sampler = self._new_gpu_sampler()
         self._sync_tuned_workers()
-        snapshot = self._telemetry.snapshot(self.num_workers, self._gpu_sampler)
+        snapshot = self._telemetry.snapshot(self.num_workers, self._device_stage.gpu_sampler())
         if reset:
             self._telemetry.reset()
         return snapshot
 
-    def _worker_mode_for_next_iterator(self) -> str:
-        """``"auto"`` tries each mode for an epoch, then keeps the faster one."""
-        if self.worker_mode != "auto":
-            return self.worker_mode
-        if is_iterable_dataset(self.dataset) or self.deterministic or self.persistent_workers:
-            return "process"
-        rates = self._carry_over.epoch_rates
-        for mode in ("process", "thread"):
-            if mode not in rates:
-                return mode
-        chosen = max(rates, key=lambda mode: rates[mode])
-        if not self._decided_mode:
-            self._decided_mode = True
-            self._telemetry.decision("worker_mode auto: " + ", ".join(
-                f"{m} {r:,.1f} batches/s" for m, r in rates.items()) + f" -> {chosen}")
-        return chosen
-
-    @property
-    def _copies_to_cuda(self) -> bool:
-        """fastfeed copies batches to a CUDA device itself (``device="cuda"``)."""
-        return self._target is not None and self._target.type == "cuda"
-
-    def _ring_for(self, worker_mode: str) -> SlotRing | None:
-        """The loader's ring, made on first use and kept across epochs (page-locking is slow
-        and synchronising). Its slots are page-locked only when fastfeed owns every copy out
-        of them (``device="cuda"``): a slot the user copies from must not be (invariant 2)."""
-        if worker_mode not in ("process", "ray") or self.ring_slots == 0 or not ring_supported():
-            return None
-        if self._ring is None:
-            gpu = self._target.index if self._copies_to_cuda and self._target else None
-            self._ring = SlotRing(max_slots=0, pin=None if gpu is None else Pinner(gpu))
-        return self._ring
+    def _stage_options(self) -> StageOptions:
+        return StageOptions(self.device, self.pin_memory, self.prefetch_depth, self.gpu_transform,
+                            self.num_workers, self.prefetch_factor, auto_collation(self))
 
     def _iterator_setup(self) -> IteratorSetup:
         """Everything fastfeed decides for the next iterator (see ``iterators/setup.py``)."""
-        # Replicas of an IterableDataset shard by worker count: keep it fixed.
-        tuner = None
-        if self.autotune and not is_iterable_dataset(self.dataset):
-            tuner = self._carry_over.tuner or WorkerTuner(self.num_workers, self._max_workers)
-            tuner.restart(self.num_workers)
-            self._carry_over.tuner = tuner
-        worker_mode = self._worker_mode_for_next_iterator()
-        return IteratorSetup(
-            telemetry=self._telemetry,
-            carry_over=self._carry_over,
-            worker_mode=worker_mode,
-            ray_options=self.ray_options,
-            tuner=tuner,
-            ring=self._ring_for(worker_mode),
-            pin_batches=self.pin_memory and self.device is None and torch.cuda.is_available(),
-            # ready batches, plus the one being copied
-            held_by_prefetch=0 if self.device is None else self.prefetch_depth + 1,
-            ring_slots=self.ring_slots,
-            deterministic=self.deterministic,
-            record_delivery=self.device is None,
-            tail=place_tail(batch_tail_split(self.dataset, self.collate_fn, self._auto_collation),
-                            on_device=self.device is not None, worker_mode=worker_mode),
-        )
+        terms = self._device_stage.terms(self._stage_options())
+        options = PoolOptions(
+            worker_mode=self.worker_mode, ray_options=self.ray_options,
+            ring_slots=self.ring_slots, deterministic=self.deterministic,
+            autotune=self.autotune, max_workers=self._max_workers,
+            on_device=self.device is not None, held_by_stage=terms.held_batches,
+            stage_times_delivery=terms.times_delivery)
+        return self._planner.setup(self, options, terms.copy_device)
 
     def state_dict(self) -> dict[str, Any]:
         """Return a snapshot from which :meth:`load_state_dict` resumes at the next batch.
@@ -335,54 +275,26 @@ class FastLoader(DataLoader):
         Running persistent workers are let go: the next ``iter()`` starts new ones, seeded as
         those of the run the state comes from.
         """
-        self._carry_over.resume = LoaderState.from_dict(state_dict)
-        self._iterator = None
+        self._planner.carry_over.resume = LoaderState.from_dict(state_dict)
+        drop_persistent_iterator(self)
 
     def __iter__(self) -> Any:
         self._sync_tuned_workers()
-        if self.persistent_workers and getattr(self._iterator, "closed", False):
+        if self.persistent_workers and getattr(persistent_iterator(self), "closed", False):
             warnings.warn("fastfeed: the persistent workers were shut down (a worker exited, "
                           "or the iterator was closed); starting new workers for this epoch",
                           RuntimeWarning, stacklevel=2)
-            self._iterator = None
-        if self.device is not None and self._target is None:
-            self._target = resolve_device(self.device)
-        iterator = self._wrap(super().__iter__())
+            drop_persistent_iterator(self)
+        if self.persistent_workers:  # nothing may read the iterator that starts an epoch
+            self._device_stage.release_host()
+        iterator = self._device_stage.wrap(super().__iter__(), self._stage_options())
         self._live_iterator = weakref.ref(iterator)
         return iterator
-
-    def _new_gpu_sampler(self) -> GpuSampler:
-        """Reads the GPU this loader feeds (the current device when it copies nothing)."""
-        target = self._target
-        return GpuSampler(target.index if target is not None and target.type == "cuda" else None)
-
-    def _wrap(self, host: Any) -> Any:
-        heads_to_cuda = self._copies_to_cuda or (self.pin_memory and torch.cuda.is_available())
-        if heads_to_cuda and self._gpu_sampler is None:
-            self._gpu_sampler = self._new_gpu_sampler()
-            self._gpu_sampler.start()
-            weakref.finalize(self, self._gpu_sampler.stop)
-        if self._target is None:
-            return host
-        if not isinstance(host, BaseIterator):
-            host = TorchIteratorHost(host)
-        if self.gpu_transform is not None and hasattr(self.gpu_transform, "seed"):
-            # Seeded from the base seed the iterator already drew: no extra generator draws.
-            self.gpu_transform.seed(host.base_seed)
-        copier: Copier = HostCopier(self._target)
-        if self._copies_to_cuda:
-            if self._copy_stream is None:
-                self._copy_stream = torch.cuda.Stream(self._target)
-            copier = StreamCopier(self._target, self._copy_stream)
-        # The tail of what the workers make (persistent workers keep the first iterator's)
-        # runs first, on the copy stream.
-        transform = _chain(host.device_tail, self.gpu_transform)
-        return DeviceIterator(host, copier, self.prefetch_depth, transform, self._telemetry)
 
     def _get_iterator(self) -> Any:
         if is_datapipe(self.dataset):
             # DataPipes (deprecated in torch) need torch's sharding hooks: use torch's iterators.
-            return super()._get_iterator()
+            return torch_iterator(self)
         setup = self._iterator_setup()
         if self.num_workers == 0:
             return SingleProcessIterator(self, setup)

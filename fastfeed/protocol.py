@@ -1,13 +1,14 @@
-"""Everything that crosses between the main process and a worker, as frozen messages.
+"""Everything that crosses between the main process and a worker, as frozen messages, and the
+one flag they share (:class:`ShutdownFlag`).
 
 The protocol, per worker (a thread worker follows it too, with the control pipe absent; a Ray
 actor too, its task queue and result queue carried by actor calls, its batches by the object
-store: :mod:`fastfeed.iterators.ray_backend`)::
+store: :mod:`fastfeed.backends.ray`)::
 
     main process                                  worker
     ────────────                                  ──────
     start(WorkerConfig)                 ───────>  seed, worker_init_fn, build the fetcher
-    SlotAdded (+ its fd) / SlotDropped  ─pipe──>  map / unmap; applied before every Task
+    SlotAdded(.., fd) / SlotDropped     ─pipe──>  map / unmap; applied before every Task
     Task(seq, index, slot_id)           ───────>  fetch, collate into the slot, encode
                                         <───────  Answer(seq, Produced | ReplicaEnded | Failed)
     StartEpoch(epoch, dataset_state)    ───────>  (persistent workers) a new fetcher
@@ -20,7 +21,8 @@ Rules both sides rely on:
   stopped or the pool shuts down (then queued tasks are skipped unanswered; the main process
   takes their slots back once the worker has exited).
 * After ``ReplicaEnded`` (its IterableDataset replica is exhausted) a worker answers nothing
-  more in that epoch: the tasks queued behind it never run, and the main process cancels them.
+  more in that epoch: the tasks queued behind it never run, and the main process cancels them
+  (a Ray actor, which must reply to every call, replies ``Skipped`` to them).
 * ``EpochStarted`` comes after the answers to every task of the previous epoch, so once every
   worker has acknowledged, nothing of the old epoch is still on its way.
 * A ``Task`` names a slot the worker was told of (``SlotAdded``) before the task was sent, or
@@ -29,20 +31,24 @@ Rules both sides rely on:
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
-from torch._utils import ExceptionWrapper
+from fastfeed._torch_compat import ExceptionWrapper
 
 __all__ = [
     "Answer",
     "Encoded",
     "EpochStarted",
     "Failed",
+    "PrivateSlot",
     "Produced",
     "ReplicaEnded",
     "Shipped",
+    "ShutdownFlag",
+    "Skipped",
     "SlotAdded",
     "SlotDropped",
     "StartEpoch",
@@ -53,6 +59,32 @@ __all__ = [
 
 
 # -- at start ----------------------------------------------------------------------------------
+
+class _SharedValues(Protocol):
+    """A multiprocessing context (or module) that makes values in shared memory."""
+
+    def RawValue(self, typecode: Any, *args: Any) -> Any: ...
+
+
+class ShutdownFlag:
+    """Set once, when the pool shuts down: a worker then skips the tasks still queued.
+
+    A ``c_bool`` without a lock, on purpose: a lock shared with workers can be left held by one
+    that is killed, and the main process would hang on it while shutting down. Its memory is
+    shared with the worker processes of ``context`` when one is given (it travels to them as
+    they start), else this process's own (thread workers, a Ray actor's loop).
+    """
+
+    def __init__(self, context: _SharedValues | None = None) -> None:
+        self._value = (ctypes.c_bool(False) if context is None
+                       else context.RawValue(ctypes.c_bool, False))
+
+    def set(self) -> None:
+        self._value.value = True
+
+    def is_set(self) -> bool:
+        return bool(self._value.value)
+
 
 @dataclass(frozen=True)
 class WorkerConfig:
@@ -102,10 +134,12 @@ class Stop:
 
 @dataclass(frozen=True)
 class SlotAdded:
-    """A new ring slot; its file descriptor follows on the pipe (``send_handle``)."""
+    """A new ring slot, and its file descriptor (a number of the sending process's; the pipe
+    carries the descriptor itself, and the receiver gets its own number for it)."""
 
     slot_id: int
     nbytes: int
+    fd: int
 
 
 @dataclass(frozen=True)
@@ -117,6 +151,14 @@ class SlotDropped:
 
 # -- worker -> main process: the result queue --------------------------------------------------
 
+class PrivateSlot(Protocol):
+    """A picklable handle on a slot a worker made for a task sent without one."""
+
+    def detach(self) -> int:
+        """The slot's file descriptor, owned by the caller from now on (once)."""
+        ...
+
+
 @dataclass(frozen=True)
 class Encoded:
     """A batch as it crosses from a worker process: its slot, the pickled structure, the bytes
@@ -127,13 +169,13 @@ class Encoded:
     slot_id: int | None
     payload: bytes
     required: int
-    private_slot: Any = None
+    private_slot: PrivateSlot | None = None
     placed: bytes = b""
 
 
 @dataclass(frozen=True)
 class Shipped:
-    """A batch as it crosses Ray's object store from an actor (:mod:`fastfeed.cluster.wire`).
+    """A batch as it crosses Ray's object store from an actor (:mod:`fastfeed.backends.ray.wire`).
 
     Attributes:
         payload: the pickled structure.
@@ -180,6 +222,14 @@ class Answer:
 
     seq: int
     outcome: Produced | ReplicaEnded | Failed
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A Ray actor's reply to task ``seq``, queued behind the end of its IterableDataset
+    replica: not run (the main process has cancelled it; a worker process sends nothing)."""
+
+    seq: int
 
 
 @dataclass(frozen=True)

@@ -84,23 +84,22 @@ class EpochStart:
     def restore(self, sources: RandomSources) -> None:
         generator, own = sources.generator, sources.sampler_generator
         if (own is None) != (self.sampler_generator_state is None):
-            raise ValueError(
-                "this state was saved from a loader "
-                + ("with" if self.sampler_generator_state is not None else "without")
-                + " a sampler generator; load it into a loader built the same way"
-            )
+            raise _built_otherwise("a sampler generator", self.sampler_generator_state)
         if generator is not None and self.generator_state is not None:
             generator.set_state(self.generator_state)
         elif generator is None and self.global_rng_state is not None:
             torch.set_rng_state(self.global_rng_state)
         else:
-            raise ValueError(
-                "this state was saved from a loader "
-                + ("with" if self.generator_state is not None else "without")
-                + " a generator; load it into a loader built the same way"
-            )
+            raise _built_otherwise("a generator", self.generator_state)
         if own is not None and self.sampler_generator_state is not None:
             own.set_state(self.sampler_generator_state)
+
+
+def _built_otherwise(what: str, saved: torch.Tensor | None) -> ValueError:
+    """The error for a state saved from a loader with (or without) ``what``, loaded into one
+    without (or with) it."""
+    return ValueError(f"this state was saved from a loader {'without' if saved is None else 'with'}"
+                      f" {what}; load it into a loader built the same way")
 
 
 @dataclass

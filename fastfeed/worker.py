@@ -13,17 +13,16 @@ import os
 import queue
 import random
 import threading
-from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
 import torch
-from torch._utils import ExceptionWrapper
 from torch.utils.data import get_worker_info
 
 from fastfeed._copy import set_copy_threads
 from fastfeed._proc import available_cpus
 from fastfeed._torch_compat import (
+    ExceptionWrapper,
     name_worker_process,
     numpy_seed,
     set_worker_info,
@@ -35,12 +34,14 @@ from fastfeed.protocol import (
     EpochStarted,
     Failed,
     ReplicaEnded,
+    ShutdownFlag,
     StartEpoch,
     Stop,
     Task,
     WorkerConfig,
 )
 from fastfeed.ring.arena import WorkerSlots
+from fastfeed.ring.control import ControlPipe
 
 __all__ = ["worker_info", "worker_loop"]
 
@@ -78,14 +79,12 @@ def worker_loop(
     config: WorkerConfig,
     task_queue: Any,
     result_queue: Any,
-    shutting_down: Any,
-    control: Connection | None,
+    shutting_down: ShutdownFlag,
+    control: ControlPipe | None,
 ) -> None:
     """Run one worker until told to stop, or until the main process disappears.
 
-    ``shutting_down.value`` turns true when the pool shuts down: queued tasks are then skipped.
-    It is a lock-free shared flag on purpose: a lock shared with workers can be left held by
-    one that is killed, and the main process would then hang on it while shutting down.
+    Once ``shutting_down`` is set (the pool shuts down), queued tasks are skipped.
     """
     kind = "thread" if config.thread else "process"
     where = f"in DataLoader worker {kind} {config.worker_id}"
@@ -119,7 +118,7 @@ def worker_loop(
                 result_queue.put(EpochStarted(message.epoch))
                 continue
             assert isinstance(message, Task)
-            if shutting_down.value or replica_ended:
+            if shutting_down.is_set() or replica_ended:
                 continue
             outcome: Any = start_error
             if outcome is None:
@@ -140,6 +139,6 @@ def worker_loop(
     finally:
         if control is not None:
             control.close()
-    if shutting_down.value and not config.thread:
+    if shutting_down.is_set() and not config.thread:
         result_queue.cancel_join_thread()
         result_queue.close()

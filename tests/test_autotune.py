@@ -214,7 +214,7 @@ def tuned_epoch(dataset, worker_mode, maximum=3):
     loader = FastLoader(dataset, batch_size=4, num_workers="auto", worker_mode=worker_mode)
     loader.num_workers = 1
     tuner = RecordingTuner(1, maximum=maximum, cores=1)
-    loader._carry_over.tuner = tuner
+    loader._planner.carry_over.tuner = tuner
     for _ in loader:
         pass
     return tuner, loader.stats().workers

@@ -120,3 +120,12 @@ def test_gpu_decode_pixels_tabulates_both_routes():
     pytest.importorskip("torchvision")
     out = run("gpu_decode_pixels.py", "--images", "4", "--seeds", "1", "--size", "32")
     assert "| gpu-decode |" in out and "| cpu route |" in out
+
+
+def test_pin_ahead_runs_on_cpu():
+    """The cost of next() with pin_memory=True, against the stock loader, with the stand-in
+    copy: neither loader copies in next()."""
+    out = run("pin_ahead.py", "--rounds", "1", "--batches", "4", "--warmup", "1",
+              "--step-ms", "20", "--batch-size", "2")
+    assert "| stock |" in out and "| fastfeed |" in out
+    assert out.count("| 0 of ") == 2

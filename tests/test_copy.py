@@ -116,7 +116,7 @@ def strided_views(rng):
 @pytest.mark.parametrize("compiled", [True, False], ids=["extension", "fallback"])
 def test_hwc_to_chw_strided_views_and_channel_reversal(monkeypatch, compiled):
     if not compiled:
-        monkeypatch.setattr(_copy, "_C", None)
+        monkeypatch.setattr(_copy, "_gather", None)
     images = strided_views(np.random.default_rng(3))
     reverse = [True, False, True, False]
     out = torch.empty((4, 3, 12, 12), dtype=torch.uint8)
@@ -129,7 +129,7 @@ def test_hwc_to_chw_strided_views_and_channel_reversal(monkeypatch, compiled):
 
 
 def test_pure_torch_fallback_matches(monkeypatch):
-    monkeypatch.setattr(_copy, "_C", None)
+    monkeypatch.setattr(_copy, "_gather", None)
     samples = [torch.arange(12, dtype=torch.float32).view(3, 4) + i for i in range(4)]
     out = torch.empty(4, 3, 4)
     _copy.stack_into(out, samples)

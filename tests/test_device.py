@@ -104,7 +104,7 @@ def test_bare_cuda_is_the_only_visible_gpu_whatever_the_local_rank(monkeypatch):
 def test_the_gpu_is_chosen_at_the_first_iteration_not_at_construction(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     loader = FastLoader(TensorDataset(), device="cuda")
-    assert loader.device == torch.device("cuda") and loader._target is None
+    assert loader.device == torch.device("cuda") and loader._device_stage._target is None
 
 
 def test_no_slot_leaks_across_epochs_on_the_device_path():
@@ -115,7 +115,7 @@ def test_no_slot_leaks_across_epochs_on_the_device_path():
             pass
     del _batch
     gc.collect()
-    ring = loader._ring
+    ring = loader._planner.ring
     used, allocated = ring.occupancy
     assert used == 0 and allocated <= ring.max_slots
 
@@ -190,7 +190,7 @@ def test_device_memory_is_flat_across_epochs():
         torch.cuda.synchronize()
         readings.append(torch.cuda.memory_allocated())
     assert readings[-1] <= readings[1]
-    assert loader._copy_stream is not None  # one stream for all epochs
+    assert loader._device_stage.copy_stream is not None  # one stream for all epochs
 
 
 @pytest.mark.gpu
@@ -206,8 +206,9 @@ def test_pin_memory_batches_are_pinned_copies():
             address = tensor.data_ptr()
             assert tensor.is_pinned()
             assert not any(s.address <= address < s.address + s.nbytes
-                           for s in loader._ring._slots.values())
-    assert not any(torch.from_numpy(s.memory).is_pinned() for s in loader._ring._slots.values())
+                           for s in loader._planner.ring._slots.values())
+    slots = loader._planner.ring._slots.values()
+    assert not any(torch.from_numpy(s.memory).is_pinned() for s in slots)
 
 
 @pytest.mark.gpu
@@ -218,6 +219,6 @@ def test_device_ring_slots_are_page_locked():
                         persistent_workers=True)
     for _ in range(2):
         list(loader)
-    slots = list(loader._ring._slots.values())
+    slots = list(loader._planner.ring._slots.values())
     assert slots and all(slot.pinned for slot in slots)
     assert all(torch.from_numpy(slot.memory).is_pinned() for slot in slots)

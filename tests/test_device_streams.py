@@ -45,7 +45,7 @@ def test_a_batch_the_consumer_still_reads_is_not_handed_to_later_copies(gpu):
     dataset = TensorDataset(n=48, shape=(3, 8, 8))
     loader = FastLoader(dataset, batch_size=4, num_workers=2, device="cuda")
     seen = consume(loader)
-    gpu.run(loader._copy_stream)  # the copy stream runs ahead of the consumer's
+    gpu.run(loader._device_stage.copy_stream)  # the copy stream runs ahead of the consumer's
     assert_same([batch[0] for batch in reference(dataset)], on_host(gpu, seen))
 
 
@@ -56,7 +56,7 @@ def test_the_model_shows_reuse_after_free_without_record_stream(gpu, monkeypatch
     dataset = TensorDataset(n=48, shape=(3, 8, 8))
     loader = FastLoader(dataset, batch_size=4, num_workers=2, device="cuda")
     seen = consume(loader)
-    gpu.run(loader._copy_stream)
+    gpu.run(loader._device_stage.copy_stream)
     want = [batch[0] for batch in reference(dataset)]
     assert any(not torch.equal(w, g) for w, g in zip(want, on_host(gpu, seen), strict=True))
 
@@ -125,7 +125,7 @@ def test_a_gpu_transform_that_returns_any_container_is_handed_over_whole(gpu):
     loader = FastLoader(dataset, batch_size=4, num_workers=2, device="cuda",
                         gpu_transform=lambda batch: Holder(batch[0] + 1, batch[1]))
     seen = [batch.images.clone() for batch in loader]
-    gpu.run(loader._copy_stream)
+    gpu.run(loader._device_stage.copy_stream)
     assert_same([batch[0] + 1 for batch in reference(dataset)], on_host(gpu, seen))
 
 
@@ -145,7 +145,8 @@ def test_device_tensors_in_a_host_batch_are_read_after_the_stream_that_made_them
     loader = FastLoader(MadeOnTheDevice(), batch_size=4, device="cuda",
                         gpu_transform=lambda batch: batch + 1)
     got = list(loader)
-    gpu.run(loader._copy_stream)  # the copy stream first: it must wait for the default one
+    # the copy stream first: it must wait for the default one
+    gpu.run(loader._device_stage.copy_stream)
     want = [torch.arange(i, i + 4, dtype=torch.float32).view(4, 1, 1).expand(4, 3, 4) * 2 + 1
             for i in range(0, 16, 4)]
     assert_same(want, on_host(gpu, got))

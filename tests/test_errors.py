@@ -245,8 +245,8 @@ def test_many_abandoned_iterators_leak_nothing():
         partial_epoch(int(torch.randint(0, 17, (), generator=generator)))
     assert_no_leaks(with_ring)
     # every slot back: none is held by a task that will never run
-    assert wait_until(partial(slots_in_use_settle, loader._ring)), [
-        (slot.state, slot.generation) for slot in loader._ring._slots.values()]
+    assert wait_until(partial(slots_in_use_settle, loader._planner.ring)), [
+        (slot.state, slot.generation) for slot in loader._planner.ring._slots.values()]
     del loader, partial_epoch  # the ring is the loader's: it goes with it
     assert_no_leaks(before)
 
@@ -266,8 +266,9 @@ def test_a_break_gives_every_slot_back():
             if i == 1:
                 break
         del _batch
-        assert wait_until(partial(slots_in_use_settle, loader._ring)), loader._ring.occupancy
-    assert loader._ring.occupancy[1] <= loader._ring.max_slots
+        ring = loader._planner.ring
+        assert wait_until(partial(slots_in_use_settle, ring)), ring.occupancy
+    assert ring.occupancy[1] <= ring.max_slots
 
 
 def test_ultralytics_patch_without_ultralytics_says_what_to_install():

@@ -218,7 +218,7 @@ def test_no_slot_is_rewritten_under_a_queued_copy(gpu, abandon):
         got.append(batch)
         if abandon and i == 10:
             break
-    used, allocated = loader._ring.occupancy
+    used, allocated = loader._planner.ring.occupancy
     assert used == allocated  # every slot a copy read is still fenced
     gc.collect()
     again = list(loader)
@@ -226,7 +226,7 @@ def test_no_slot_is_rewritten_under_a_queued_copy(gpu, abandon):
     assert_same(expected[:len(got)], on_host(gpu, got))
     assert_same(expected, on_host(gpu, again))
     assert gpu.syncs_in("MainThread") == []
-    assert loader._ring.occupancy[0] == 0
+    assert loader._planner.ring.occupancy[0] == 0
 
 
 def test_the_model_shows_a_slot_rewritten_under_a_copy_nothing_fences(gpu, monkeypatch):
@@ -249,20 +249,25 @@ def test_slots_are_page_locked_only_when_fastfeed_owns_the_copy(monkeypatch):
     # torch guards only the pinned memory it allocated, so a slot must never be handed out
     # pinned. With device="cuda" fastfeed owns the copy and fences the slot.
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    def copied_into_pinned_memory(loader):  # batches pinned ahead of the consumer, or in next()
+        return loader._device_stage._pinned_ahead(loader._stage_options()) is not None
+
     user_copies = FastLoader(TensorDataset(), batch_size=4, num_workers=2, pin_memory=True)
     setup = user_copies._iterator_setup()
-    assert setup.ring is not None and setup.ring.pin is None and setup.pin_batches
+    assert setup.ring is not None and setup.ring.pin is None
+    assert copied_into_pinned_memory(user_copies)
 
     fastfeed_copies = FastLoader(TensorDataset(), batch_size=4, num_workers=2, device="cuda",
                                  pin_memory=True)
-    fastfeed_copies._target = torch.device("cuda", 1)
+    fastfeed_copies._device_stage._target = torch.device("cuda", 1)
     setup = fastfeed_copies._iterator_setup()
-    assert setup.ring.pin == Pinner(1) and not setup.pin_batches
+    assert setup.ring.pin == Pinner(1) and not copied_into_pinned_memory(fastfeed_copies)
 
 
 def slot_holding(loader, tensor):
     address = tensor.data_ptr()
-    return any(s.address <= address < s.address + s.nbytes for s in loader._ring._slots.values())
+    slots = loader._planner.ring._slots.values()
+    return any(s.address <= address < s.address + s.nbytes for s in slots)
 
 
 @pytest.mark.filterwarnings("ignore:'pin_memory' argument is set as true")

@@ -15,7 +15,7 @@ def test_info_reports_what_this_machine_has():
     printed = dict(line.split(" : ", 1) for line in out.splitlines() if " : " in line)
     printed = {key.strip(): value.strip() for key, value in printed.items()}
     assert printed["torch"] == torch.__version__
-    assert printed["C++ extension"] == ("loaded" if importable("fastfeed._C")
+    assert printed["C++ extension"] == ("loaded" if importable("fastfeed._gather")
                                         else "not built: pure-torch copy path")
     # Whether each imports here (CUDA builds of torch install an `nvidia` namespace of their own).
     for key, module in (("DALI", "nvidia.dali"), ("torchvision", "torchvision")):

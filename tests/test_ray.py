@@ -17,8 +17,8 @@ from helpers import assert_same
 from sample_datasets import MixedDataset, ShardedIterable, TensorDataset
 
 from fastfeed import FastLoader
-from fastfeed.cluster.wire import ship, unship
-from fastfeed.codec import decode, encode
+from fastfeed.backends.ray.wire import ship, unship
+from fastfeed.codec import Unplaced, decode, encode
 from fastfeed.ring import Arena, Lease
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,7 +65,8 @@ def test_the_slot_bound_holds_every_batch_the_codec_places():
         arena = Arena(None, torch.empty(shipped.nbytes, dtype=torch.uint8))
         encoded = encode(arrived, arena)
         assert encoded.required <= shipped.nbytes
-        assert not encoded.placed or b"object" not in encoded.placed
+        placed = pickle.loads(encoded.placed) if encoded.placed else {}
+        assert not any(isinstance(p, Unplaced) for p in placed.values()), "a tensor not placed"
         assert_same(batch, decode(encoded, Lease(arena.buffer.numpy())))
 
 
@@ -125,7 +126,7 @@ def test_the_benchmark_compares_ray_with_processes(tmp_path):
 def test_a_batch_lands_on_one_core_and_the_thread_count_comes_back():
     """The landing's torch ops run on one thread (beside busy workers, several contend for
     the cores); the caller's count comes back after, and threads started later get it."""
-    from fastfeed.iterators.ray_backend import _on_one_core, _thread_counts_are_per_thread
+    from fastfeed.backends.ray.landing import _on_one_core, _thread_counts_are_per_thread
 
     if not _thread_counts_are_per_thread():
         pytest.skip("torch's thread count is process-wide here: the landing keeps it")

@@ -120,6 +120,32 @@ def test_worker_init_fn_and_out_of_order_delivery(cluster):
                 sorted(actual, key=lambda b: b[1][0].item()))
 
 
+# A training script's state in a module-level global (this module travels by value, as the
+# script's __main__ does): worker_init_fn sets it in each worker, the dataset reads it.
+WORKER_OFFSET = 0
+
+
+def set_worker_offset(worker_id: int) -> None:
+    global WORKER_OFFSET
+    WORKER_OFFSET = 1000 * (worker_id + 1)
+
+
+class OffsetByWorker(Dataset):
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor([i + WORKER_OFFSET])
+
+
+def test_a_global_set_by_worker_init_fn_reaches_the_dataset(cluster):
+    """A common way to give each worker an offset, a handle or a seed: the dataset and
+    worker_init_fn share the script's globals in an actor as in a worker process, so the
+    dataset reads what worker_init_fn set (not the value from before it ran)."""
+    assert compare(OffsetByWorker, batch_size=2, num_workers=2, persistent_workers=True,
+                   epochs=2, worker_init_fn=set_worker_offset, fast={"worker_mode": "ray"}) == 12
+
+
 def test_errors_and_timeout_as_with_worker_processes(cluster):
     """A dataset's exception is raised in its batch's turn, with torch's type and message, and
     iteration goes on; ``timeout`` raises torch's error when no batch comes in time."""

@@ -56,7 +56,7 @@ def test_pickled_or_copied_loaders_behave_like_the_original(how, used):
     if used:  # telemetry, the ring and the iterator of its persistent workers exist now
         list(original)
     fast = clone(original)
-    assert type(fast) is FastLoader and fast._ring is None and fast.stats().batches == 0
+    assert type(fast) is FastLoader and fast._planner.ring is None and fast.stats().batches == 0
     assert_same(run_epochs(stock, 2, seed=1), run_epochs(fast, 2, seed=1))
 
 

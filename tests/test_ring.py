@@ -29,7 +29,7 @@ def clone(batch):
 
 
 def ring_of(loader):
-    return loader._ring
+    return loader._planner.ring
 
 
 def in_a_slot(loader, leaf):
@@ -102,7 +102,7 @@ def test_workers_map_no_memory_but_the_rings():
         for _batch in loader:
             pass
     del _batch
-    ring_inodes = {os.fstat(fd).st_ino for _, _, fd in ring_of(loader).fds()}
+    ring_inodes = {os.fstat(slot.fd).st_ino for slot in ring_of(loader).slots()}
     for worker in loader._live_iterator()._table:
         with open(f"/proc/{worker.handle.pid}/maps") as maps:
             mapped = {int(line.split()[4]) for line in maps if "/memfd:fastfeed" in line}
@@ -390,3 +390,35 @@ def test_a_view_of_a_leaf_stays_a_view_of_it(collate_fn):
         return rows
 
     assert_same(run(FastLoader), run(DataLoader))
+
+
+def test_the_control_pipe_hands_each_slot_over_with_its_descriptor():
+    """A SlotAdded arrives as one message that carries the receiver's own descriptor for the
+    slot (for the same memory); a closed end is an EOFError, a gone reader an OSError."""
+    from fastfeed.protocol import SlotAdded, SlotDropped
+    from fastfeed.ring.control import ControlPipe
+    from fastfeed.ring.memory import new_memfd
+
+    main, worker = ControlPipe.pair()
+    fd = new_memfd("fastfeed-test", 4096)
+    try:
+        main.send(SlotDropped(3))
+        main.send(SlotAdded(7, 4096, fd))
+        assert worker.receive() == SlotDropped(3)
+        assert worker.poll()
+        added = worker.receive()
+        assert (added.slot_id, added.nbytes) == (7, 4096) and added.fd != fd
+        assert os.fstat(added.fd).st_ino == os.fstat(fd).st_ino
+        os.close(added.fd)
+        assert not worker.poll()
+        main.close()
+        with pytest.raises(EOFError):
+            worker.receive()
+    finally:
+        os.close(fd)
+        worker.close()
+    main, worker = ControlPipe.pair()
+    worker.close()
+    with pytest.raises(OSError):
+        main.send(SlotDropped(1))
+    main.close()

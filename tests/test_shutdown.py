@@ -185,12 +185,12 @@ def _unused_pid() -> int:
 def test_tickets_return_only_once_no_worker_can_write(workers, released):
     """DESIGN.md invariant 2 on shutdown: the slots of tasks still in flight go back to the
     ring only when every worker is gone; a worker that outlives terminate() keeps them."""
-    from fastfeed.iterators.backends import ProcessBackend, WorkerHandle
+    from fastfeed.backends.process import ProcessWorker, stop_processes
 
-    handles = [WorkerHandle(worker_id=i, runner=w, task_queue=None, control=None)
+    handles = [ProcessWorker(worker_id=i, process=w, task_queue=None, control=None)
                for i, w in enumerate(workers)]
     calls = []
-    ProcessBackend._stop(handles, 0.0, lambda: calls.append("released"))
+    stop_processes(handles, 0.0, lambda: calls.append("released"))
     assert calls == (["released"] if released else [])
 
 

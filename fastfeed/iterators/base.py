@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils.data import DataLoader
 
-from fastfeed._torch_compat import is_iterable_dataset, pin_memory
+from fastfeed._torch_compat import index_sampler, is_iterable_dataset, iterable_len_called
 from fastfeed.iterators.setup import IteratorSetup
 from fastfeed.protocol import WorkerConfig
 from fastfeed.resume import EpochStart, LoaderState, RandomSources
@@ -49,7 +49,7 @@ class Position:
 
 
 class BaseIterator:
-    """Sampler iteration, seeding, pinning, snapshots and the IterableDataset length check.
+    """Sampler iteration, seeding, snapshots and the IterableDataset length check.
 
     The device stage reads a host iterator only through :meth:`next_host_batch`,
     :meth:`position`, :meth:`state_at`, :attr:`base_seed`, :attr:`device_tail`, ``len()``
@@ -61,10 +61,10 @@ class BaseIterator:
         tail = setup.tail  # a dataset whose tail runs on whole batches: where it runs
         self._dataset: Any = loader.dataset if tail.dataset is None else tail.dataset
         self._iterable = is_iterable_dataset(loader.dataset)
-        self._len_called = loader._IterableDataset_len_called
+        self._len_called = iterable_len_called(loader)
         self._auto_collation = loader.batch_sampler is not None
         self._drop_last = loader.drop_last
-        self._index_sampler = loader._index_sampler
+        self._index_sampler = index_sampler(loader)
         self._num_workers = loader.num_workers
         self._timeout = loader.timeout
         self._collate_fn = loader.collate_fn if tail.collate_fn is None else tail.collate_fn
@@ -151,7 +151,7 @@ class BaseIterator:
         self._num_yielded = 0
         self._skip_by_reading = 0
         self._exhausted = False
-        self._len_called = loader._IterableDataset_len_called
+        self._len_called = iterable_len_called(loader)
         self._epoch_resume = resume
         if resume is not None:
             self._fast_forward(resume)
@@ -220,11 +220,6 @@ class BaseIterator:
 
     def _next_data(self) -> HostBatch:
         raise NotImplementedError
-
-    def _pin(self, batch: Any) -> Any:
-        # Copies into torch's pinned pool, never pins the slot in place: the user drives the
-        # copy, and torch guards only the pinned memory it allocated (DESIGN.md invariant 2).
-        return pin_memory(batch, "cuda") if self._setup.pin_batches else batch
 
     def _after_delivery(self) -> None:
         """Called after each batch is handed over (the worker pool tunes itself here)."""

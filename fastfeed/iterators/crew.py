@@ -1,10 +1,11 @@
 """The pool's workers as one object: starting, feeding, hearing from and stopping them.
 
 The pool iterator decides *what* to send (which task, to which worker) and what each answer
-means. The crew knows *how*: it reaches each worker through the backend (processes or
-threads), tells workers of the ring's slots, starts persistent workers' next epoch, grows and
-shrinks the pool for the tuner, and shuts everything down exactly once, from whichever thread
-gets there first. A worker that is gone when it should not be shuts the pool down and raises.
+means. The crew knows *how*: it reaches each worker through the backend (processes, threads
+or Ray actors: :mod:`fastfeed.backends`), tells workers of the ring's slots, starts
+persistent workers' next epoch, grows and shrinks the pool for the tuner, and shuts
+everything down exactly once, from whichever thread gets there first. A worker that is gone
+when it should not be shuts the pool down and raises.
 """
 
 from __future__ import annotations
@@ -16,17 +17,22 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-import torch
-
-from fastfeed.collate import Empty
-from fastfeed.iterators.backends import ProcessBackend, ThreadBackend
-from fastfeed.iterators.liveness import WorkerExited, next_message, raise_if_a_worker_died
+from fastfeed.backends import WorkerBackend, WorkerExited
+from fastfeed.iterators.liveness import next_answer, raise_if_a_worker_died
 from fastfeed.iterators.tasks import TaskBook
 from fastfeed.iterators.workers import WorkerTable
-from fastfeed.protocol import Answer, EpochStarted, StartEpoch, Stop, Task, WorkerConfig
+from fastfeed.protocol import (
+    Answer,
+    EpochStarted,
+    SlotAdded,
+    StartEpoch,
+    Stop,
+    Task,
+    WorkerConfig,
+)
 from fastfeed.ring import SlotRing, Ticket
 
-__all__ = ["WorkerCrew", "make_backend"]
+__all__ = ["WorkerCrew"]
 
 _python_exiting = False
 
@@ -41,21 +47,6 @@ def _mark_exiting() -> None:
 atexit.register(_mark_exiting)
 
 
-def make_backend(mode: str, multiprocessing_context: Any,
-                 ray_options: dict[str, Any] | None = None,
-                 landing_tail: Callable[[Any, Empty], Any] | None = None) -> Any:
-    """The backend for ``worker_mode`` ``mode`` (``"process"``, ``"thread"`` or ``"ray"``;
-    Ray's finishes each batch with ``landing_tail`` as it lands it, if given)."""
-    if mode == "thread":
-        return ThreadBackend()
-    if mode == "ray":
-        # Only when asked for: it imports Ray.
-        from fastfeed.iterators.ray_backend import RayBackend
-
-        return RayBackend(ray_options, landing_tail)
-    return ProcessBackend(multiprocessing_context or torch.multiprocessing)
-
-
 def _release_all(ring: SlotRing, tickets: list[Ticket]) -> None:
     for ticket in tickets:
         ring.release(ticket)
@@ -65,14 +56,14 @@ class WorkerCrew:
     """The workers of one pool iterator.
 
     Args:
-        backend: starts the workers and owns the queues they share with this process.
+        backend: starts the workers and owns what they share with this process.
         book: the pool's task book, from which the worker table reads what each worker owes.
-        ring: the loader's ring, whose slots process workers write (None: no ring).
+        ring: the loader's ring, whose slots the backend's workers write (None: no ring).
         timeout: the loader's ``timeout`` for each message, 0 for none.
     """
 
-    def __init__(self, backend: ProcessBackend | ThreadBackend, book: TaskBook,
-                 ring: SlotRing | None, timeout: float) -> None:
+    def __init__(self, backend: WorkerBackend, book: TaskBook, ring: SlotRing | None,
+                 timeout: float) -> None:
         self.table = WorkerTable(book)
         self.kind = backend.kind
         self._backend = backend
@@ -86,31 +77,31 @@ class WorkerCrew:
         self.closed = False  # shut down: a next epoch needs new workers
 
     def start(self, config: WorkerConfig) -> None:
-        self.table.add(self._backend.start(config, self._ring))
+        self.table.add(self._backend.start(config))
 
     def send(self, worker_id: int, message: Task | StartEpoch) -> None:
-        self.table[worker_id].handle.task_queue.put(message)
+        self.table[worker_id].handle.send(message)
 
     def stop(self, worker_id: int) -> None:
         """Let a worker that owes nothing exit."""
         self.table.stop(worker_id)
-        self.table[worker_id].handle.task_queue.put(Stop())
+        self.table[worker_id].handle.send(Stop())
 
-    def announce(self, created: list, retired: list[int]) -> None:
+    def announce(self, created: list[SlotAdded], retired: list[int]) -> None:
         """Tell every worker that maps slots of the slots the ring created and dropped."""
         if created or retired:
             for worker in self.table.mapping_slots():
-                self._backend.announce(worker.handle, created, retired)
+                worker.handle.announce_slots(created, retired)
 
     # -- hearing from the workers ------------------------------------------------------------
-    def next_message(self) -> Any:
+    def next_answer(self) -> Answer | EpochStarted:
         """The next message from any worker.
 
         Raises:
             RuntimeError: a worker died (the pool is shut down), or ``timeout`` passed.
         """
         try:
-            return next_message(self._backend.result_queue, self.table, self._timeout)
+            return next_answer(self._backend, self.table, self._timeout)
         except WorkerExited:
             self.shutdown()
             raise
@@ -134,7 +125,7 @@ class WorkerCrew:
         # StartEpoch, so wait until it has answered its last task too.
         acknowledged = 0
         while acknowledged < len(resumed) or self.table.retiring_with_tasks():
-            message = self.next_message()
+            message = self.next_answer()
             if isinstance(message, EpochStarted):
                 acknowledged += message.epoch == epoch
             else:
@@ -173,4 +164,4 @@ class WorkerCrew:
         release = None
         if tickets and self._ring is not None:
             release = partial(_release_all, self._ring, tickets)
-        self._backend.shutdown([w.handle for w in self.table], wait=wait, then=release)
+        self._backend.shutdown(wait=wait, then=release)

@@ -8,18 +8,15 @@ from __future__ import annotations
 
 import queue
 import time
-from typing import Any
 
+from fastfeed.backends import WorkerBackend, WorkerExited
+from fastfeed.backends.base import FromWorker
 from fastfeed.iterators.workers import WorkerState, WorkerTable
 
-__all__ = ["WorkerExited", "next_message", "raise_if_a_worker_died"]
+__all__ = ["next_answer", "raise_if_a_worker_died"]
 
 # How often a waiting main process checks that its workers are alive.
 _LIVENESS_INTERVAL = 0.1
-
-
-class WorkerExited(RuntimeError):
-    """A worker that should be running is gone (the message names it and why)."""
 
 
 def raise_if_a_worker_died(workers: WorkerTable, wait: float = 0.0) -> None:
@@ -38,8 +35,8 @@ def raise_if_a_worker_died(workers: WorkerTable, wait: float = 0.0) -> None:
                                f"unexpectedly: {reason}")
 
 
-def next_message(results: Any, workers: WorkerTable, timeout: float) -> Any:
-    """The next message on ``results``.
+def next_answer(backend: WorkerBackend, workers: WorkerTable, timeout: float) -> FromWorker:
+    """The next message of ``backend``'s workers.
 
     Raises:
         WorkerExited: a worker died.
@@ -51,7 +48,7 @@ def next_message(results: Any, workers: WorkerTable, timeout: float) -> Any:
         if deadline is not None:
             wait = max(0.0, min(wait, deadline - time.monotonic()))
         try:
-            return results.get(timeout=wait)
+            return backend.next_answer(wait)
         except queue.Empty:
             pass
         raise_if_a_worker_died(workers)

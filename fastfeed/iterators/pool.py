@@ -16,13 +16,15 @@ import operator
 import time
 from typing import Any
 
-from torch._utils import ExceptionWrapper
 from torch.utils.data import DataLoader
 
+from fastfeed._torch_compat import ExceptionWrapper
 from fastfeed.autotune import TuningWindows
+from fastfeed.backends import make_backend
+from fastfeed.backends.process import ProcessWorker
 from fastfeed.codec import decode
 from fastfeed.iterators.base import BaseIterator, HostBatch
-from fastfeed.iterators.crew import WorkerCrew, make_backend
+from fastfeed.iterators.crew import WorkerCrew
 from fastfeed.iterators.setup import IteratorSetup
 from fastfeed.iterators.tasks import Entry, TaskBook
 from fastfeed.protocol import Answer, Encoded, Failed, Produced, ReplicaEnded, Task
@@ -63,9 +65,9 @@ class WorkerPoolIterator(BaseIterator):
         self._in_order = loader.in_order
         self._epoch = 0
         self._book = TaskBook()
-        backend = make_backend(setup.worker_mode, loader.multiprocessing_context,
-                               setup.ray_options, setup.tail.landing_tail)
         self.ring = setup.ring  # the loader gives one to the backends whose batches use it
+        backend = make_backend(setup.worker_mode, self.ring, loader.multiprocessing_context,
+                               setup.ray_options, setup.tail.landing_tail)
         self._crew = WorkerCrew(backend, self._book, self.ring, self._timeout)
         self._table = self._crew.table
         self._telemetry.worker_mode = backend.kind
@@ -221,12 +223,13 @@ class WorkerPoolIterator(BaseIterator):
                 if entry.dataset_state is not None:
                     self._dataset_states[entry.worker_id] = entry.dataset_state
                 batch, lease = entry.result
-                return HostBatch(self._pin(batch), lease)
+                return HostBatch(batch, lease)
             if self._book.finished:
                 self._epoch_finished()
                 raise StopIteration
             assert not self._crew.closed and self._book.outstanding() > 0
-            answer = self._crew.next_message()
+            answer = self._crew.next_answer()
+            assert isinstance(answer, Answer), answer  # acknowledgements come as epochs start
             self._receive(answer)
             if isinstance(answer.outcome, ReplicaEnded):
                 self._send_next()  # in the place of the cancelled tasks
@@ -263,7 +266,7 @@ class WorkerPoolIterator(BaseIterator):
     @property
     def _workers(self) -> list[Any]:
         """The worker processes, as torch's iterator lists them (none for other backends)."""
-        return [w.handle.runner for w in self._table] if self._crew.kind == "process" else []
+        return [w.handle.process for w in self._table if isinstance(w.handle, ProcessWorker)]
 
     def _shutdown_workers(self) -> None:
         self._crew.shutdown()

@@ -1,22 +1,31 @@
-"""What a FastLoader hands its iterators, beyond torch's ``DataLoader`` attributes.
+"""What a FastLoader hands its iterators, beyond torch's ``DataLoader`` attributes, and where
+that is decided.
 
-The loader computes an :class:`IteratorSetup` for every new iterator; iterators read torch's
-attributes from the loader and everything fastfeed-specific from the setup, and never reach
-back into ``FastLoader``: the dependency runs one way, loader to iterators.
+The loader's :class:`IteratorPlanner` computes an :class:`IteratorSetup` for every new
+iterator, from the loader's own arguments (:class:`PoolOptions`): the worker mode (``"auto"``'s
+contest), the ring and whether its slots are page-locked, the tuner, where a batch tail runs.
+Iterators read torch's attributes from the loader and everything fastfeed-specific from the
+setup, and never reach back into ``FastLoader``: the dependency runs one way, loader to
+iterators.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
+from torch.utils.data import DataLoader
+
+from fastfeed._torch_compat import auto_collation, is_iterable_dataset
 from fastfeed.autotune import WorkerTuner
+from fastfeed.backends import WorkerKind
+from fastfeed.pinning import Pinner
 from fastfeed.resume import LoaderState
-from fastfeed.ring import SlotRing
-from fastfeed.tail import TailPlacement
+from fastfeed.ring import SlotRing, ring_supported
+from fastfeed.tail import TailPlacement, batch_tail_split, place_tail
 from fastfeed.telemetry import Telemetry
 
-__all__ = ["CarryOver", "IteratorSetup"]
+__all__ = ["CarryOver", "IteratorPlanner", "IteratorSetup", "PoolOptions"]
 
 
 @dataclass
@@ -41,12 +50,11 @@ class IteratorSetup:
 
     telemetry: Telemetry
     carry_over: CarryOver
-    worker_mode: str = "process"  # "process", "thread" or "ray" ("auto" is resolved first)
+    worker_mode: WorkerKind = "process"  # "auto" is resolved first
     ray_options: dict[str, Any] | None = None  # where Ray actors go (worker_mode="ray")
     tuner: WorkerTuner | None = None
     ring: SlotRing | None = None  # the loader's ring, for process workers
-    pin_batches: bool = False  # pin_memory=True: copy batches into torch's pinned memory
-    held_by_prefetch: int = 0  # host batches a device prefetcher holds on to
+    held_by_prefetch: int = 0  # host batches the device stage holds on to
     ring_slots: int | None = None
     deterministic: bool = False
     # False when a device stage wraps the iterator: it measures the consumer's wait itself.
@@ -54,3 +62,99 @@ class IteratorSetup:
     # Where a dataset whose tail runs on whole batches has it run (see fastfeed.tail): what the
     # workers read and collate with, and what finishes their batches (same batches).
     tail: TailPlacement = field(default_factory=TailPlacement)
+
+
+@dataclass(frozen=True)
+class PoolOptions:
+    """FastLoader's own arguments that shape its iterators (see :class:`fastfeed.FastLoader`).
+
+    Attributes:
+        worker_mode: ``"process"``, ``"thread"``, ``"ray"`` or ``"auto"``.
+        max_workers: with ``autotune``, the most workers the tuner may start.
+        on_device: a ``device`` was given: batches are finished on it.
+        held_by_stage: host batches the device stage holds at once (their slots stay out).
+        stage_times_delivery: the device stage measures the consumer's wait itself.
+    """
+
+    worker_mode: str = "process"
+    ray_options: dict[str, Any] | None = None
+    ring_slots: int | None = None
+    deterministic: bool = False
+    autotune: bool = False
+    max_workers: int = 0
+    on_device: bool = False
+    held_by_stage: int = 0
+    stage_times_delivery: bool = False
+
+
+class IteratorPlanner:
+    """A loader's side of its iterators: what one iterator leaves to the next (the ring, the
+    tuner, the first epochs' rates, a state to resume from), and the decisions each new one
+    starts from. One per loader, never copied with it.
+
+    Args:
+        telemetry: the loader's.
+    """
+
+    def __init__(self, telemetry: Telemetry) -> None:
+        self.telemetry = telemetry
+        self.carry_over = CarryOver()
+        self.ring: SlotRing | None = None  # one per loader, made on first use
+        self._decided_mode = False
+
+    def setup(self, loader: DataLoader, options: PoolOptions, copy_device: int | None
+              ) -> IteratorSetup:
+        """Everything fastfeed decides for ``loader``'s next iterator; ``copy_device`` is the
+        CUDA device fastfeed copies batches to itself, if any (its slots are page-locked)."""
+        # Replicas of an IterableDataset shard by worker count: keep it fixed.
+        tuner = None
+        if options.autotune and not is_iterable_dataset(loader.dataset):
+            tuner = self.carry_over.tuner or WorkerTuner(loader.num_workers, options.max_workers)
+            tuner.restart(loader.num_workers)
+            self.carry_over.tuner = tuner
+        worker_mode = self._worker_mode(loader, options)
+        split = batch_tail_split(loader.dataset, loader.collate_fn, auto_collation(loader))
+        return IteratorSetup(
+            telemetry=self.telemetry,
+            carry_over=self.carry_over,
+            worker_mode=worker_mode,
+            ray_options=options.ray_options,
+            tuner=tuner,
+            ring=self._ring(worker_mode, options.ring_slots, copy_device),
+            held_by_prefetch=options.held_by_stage,
+            ring_slots=options.ring_slots,
+            deterministic=options.deterministic,
+            record_delivery=not options.stage_times_delivery,
+            tail=place_tail(split, on_device=options.on_device, worker_mode=worker_mode),
+        )
+
+    def _worker_mode(self, loader: DataLoader, options: PoolOptions) -> WorkerKind:
+        """``"auto"`` tries each mode for an epoch, then keeps the faster one."""
+        if options.worker_mode != "auto":
+            return cast(WorkerKind, options.worker_mode)  # checked by check_arguments
+        if (is_iterable_dataset(loader.dataset) or options.deterministic
+                or loader.persistent_workers):
+            return "process"
+        rates = self.carry_over.epoch_rates
+        modes: tuple[WorkerKind, ...] = ("process", "thread")
+        for mode in modes:
+            if mode not in rates:
+                return mode
+        chosen = max(modes, key=lambda mode: rates[mode])
+        if not self._decided_mode:
+            self._decided_mode = True
+            self.telemetry.decision("worker_mode auto: " + ", ".join(
+                f"{m} {r:,.1f} batches/s" for m, r in rates.items()) + f" -> {chosen}")
+        return chosen
+
+    def _ring(self, worker_mode: WorkerKind, ring_slots: int | None, copy_device: int | None
+              ) -> SlotRing | None:
+        """The loader's ring, made on first use and kept across epochs (page-locking is slow
+        and synchronising). Its slots are page-locked only when fastfeed owns every copy out
+        of them (``device="cuda"``): a slot the user copies from must not be (invariant 2)."""
+        if worker_mode not in ("process", "ray") or ring_slots == 0 or not ring_supported():
+            return None
+        if self.ring is None:
+            pin = None if copy_device is None else Pinner(copy_device)
+            self.ring = SlotRing(max_slots=0, pin=pin)
+        return self.ring

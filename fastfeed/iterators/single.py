@@ -31,4 +31,4 @@ class SingleProcessIterator(BaseIterator):
         self._telemetry.record_produced(produced, by_worker=False)
         if produced.dataset_state is not None:
             self._dataset_states[0] = produced.dataset_state
-        return HostBatch(self._pin(produced.batch), None)
+        return HostBatch(produced.batch, None)

@@ -21,7 +21,7 @@ import enum
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from fastfeed.iterators.backends import WorkerHandle
+from fastfeed.backends import WorkerHandle
 from fastfeed.iterators.tasks import TaskBook
 
 __all__ = ["WorkerState", "WorkerTable"]

@@ -1,9 +1,10 @@
 """The worker's side of the ring: its mappings of the slots, and the arena a batch is
 written into.
 
-The main process announces each slot over the worker's control pipe (:class:`SlotAdded` with
-the file descriptor, :class:`SlotDropped`); the worker maps each slot once and reuses the
-mapping for every batch it writes there.
+The main process announces each slot over the worker's control pipe
+(:class:`~fastfeed.ring.control.ControlPipe`: :class:`SlotAdded` with the file descriptor,
+:class:`SlotDropped`); the worker maps each slot once and reuses the mapping for every batch it
+writes there.
 """
 
 from __future__ import annotations
@@ -11,13 +12,12 @@ from __future__ import annotations
 import mmap
 import os
 import weakref
-from multiprocessing.connection import Connection
-from multiprocessing.reduction import DupFd, recv_handle
-from typing import Any
+from multiprocessing.reduction import DupFd
 
 import torch
 
-from fastfeed.protocol import SlotAdded, SlotDropped
+from fastfeed.protocol import PrivateSlot, SlotAdded, SlotDropped
+from fastfeed.ring.control import ControlPipe
 from fastfeed.ring.memory import ALIGN, map_slot, new_memfd, round_up
 
 __all__ = ["Arena", "WorkerSlots"]
@@ -26,7 +26,7 @@ __all__ = ["Arena", "WorkerSlots"]
 class WorkerSlots:
     """A worker's mappings of the ring's slots, kept in step over the control pipe."""
 
-    def __init__(self, control: Connection) -> None:
+    def __init__(self, control: ControlPipe) -> None:
         self._control = control
         self._buffers: dict[int, torch.Tensor] = {}
         self._largest_batch = 0  # bytes: the size of the slots this worker makes itself
@@ -50,21 +50,20 @@ class WorkerSlots:
     def _buffer(self, slot_id: int) -> torch.Tensor:
         """The uint8 tensor over slot ``slot_id``, mapping it first if it is new."""
         while slot_id not in self._buffers:
-            self._apply(self._control.recv())
+            self._apply(self._control.receive())
         return self._buffers[slot_id]
 
     def _apply_pending(self) -> None:
         while self._control.poll():
-            self._apply(self._control.recv())
+            self._apply(self._control.receive())
 
     def _apply(self, message: SlotAdded | SlotDropped) -> None:
         if isinstance(message, SlotAdded):
-            fd = recv_handle(self._control)
             try:
                 self._buffers[message.slot_id] = torch.frombuffer(
-                    map_slot(fd, message.nbytes, populate=True), dtype=torch.uint8)
+                    map_slot(message.fd, message.nbytes, populate=True), dtype=torch.uint8)
             finally:
-                os.close(fd)
+                os.close(message.fd)
         else:
             self._buffers.pop(message.slot_id, None)
 
@@ -115,7 +114,7 @@ class Arena:
         detached = None if self._memfd is None else self._memfd.detach()
         return None if detached is None else detached[2][0]
 
-    def export_private_slot(self) -> Any:
+    def export_private_slot(self) -> PrivateSlot | None:
         """A picklable handle on a private slot's memory (``None`` for others), which the main
         process redeems once with ``.detach()``; this arena's descriptor closes."""
         fd = self.detach_private_slot()

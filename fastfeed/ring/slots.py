@@ -40,6 +40,7 @@ import numpy as np
 
 from fastfeed._proc import available_memory
 from fastfeed.pinning import Pinner
+from fastfeed.protocol import SlotAdded
 from fastfeed.ring.memory import map_slot, new_memfd, round_up
 
 __all__ = ["Fence", "Lease", "SlotOwnershipError", "SlotRing", "Ticket", "slot_budget"]
@@ -106,6 +107,10 @@ class _Slot:
     @property
     def address(self) -> int:
         return int(self.memory.ctypes.data)
+
+    def added(self) -> SlotAdded:
+        """The message that tells a worker of this slot."""
+        return SlotAdded(self.slot_id, self.nbytes, self.fd)
 
     def copies_done(self) -> bool:
         """Drop the fences that completed; True when none is left."""
@@ -197,7 +202,7 @@ class SlotRing:
             return sum(not s.reusable() for s in self._slots.values()), len(self._slots)
 
     # -- slot life cycle ---------------------------------------------------------------------
-    def acquire(self) -> tuple[Ticket | None, list[_Slot], list[int]]:
+    def acquire(self) -> tuple[Ticket | None, list[SlotAdded], list[int]]:
         """Take a reusable slot for a task.
 
         Returns ``(ticket, created, retired)``: the ticket (``None`` when the ring is exhausted
@@ -206,7 +211,7 @@ class SlotRing:
         """
         if self.slot_bytes == 0:
             return None, [], []
-        created: list[_Slot] = []
+        created: list[SlotAdded] = []
         retired: list[int] = []
         with self._lock:
             self._collect_returned()
@@ -223,7 +228,7 @@ class SlotRing:
                 self._drop(slot_id)
             if slot is None and len(self._slots) < self.max_slots and self._fits_in_memory():
                 slot = self._create(self.slot_bytes)
-                created.append(slot)
+                created.append(slot.added())
             if slot is None:
                 return None, created, retired
             slot.state = _State.ASSIGNED
@@ -258,7 +263,7 @@ class SlotRing:
             assert slot.state is _State.ASSIGNED, slot
             return slot.memory
 
-    def adopt(self, fd: int) -> tuple[Lease, list[_Slot]]:
+    def adopt(self, fd: int) -> tuple[Lease, list[SlotAdded]]:
         """Lease the slot a worker made for a batch sent without a ticket (see
         :meth:`fastfeed.ring.Arena.private`); ``fd`` is owned from now on.
 
@@ -277,7 +282,7 @@ class SlotRing:
                     owned, fd = fd, -1  # the slot's from here on, even if installing fails
                     slot = self._install(owned, nbytes)
                     slot.generation += 1
-                    return self._lease(slot), [slot]
+                    return self._lease(slot), [slot.added()]
             return Lease(np.frombuffer(map_slot(fd, nbytes), dtype=np.uint8)), []
         finally:
             if fd >= 0:
@@ -301,10 +306,10 @@ class SlotRing:
         with self._lock:
             self._closer()
 
-    def fds(self) -> list[tuple[int, int, int]]:
-        """``(slot_id, nbytes, fd)`` of every live slot, for a worker that starts late."""
+    def slots(self) -> list[SlotAdded]:
+        """Every live slot, for a worker that starts late."""
         with self._lock:
-            return [(s.slot_id, s.nbytes, s.fd) for s in self._slots.values()]
+            return [s.added() for s in self._slots.values()]
 
     def _owned(self, ticket: Ticket, state: _State, action: str) -> _Slot | None:
         """The ticket's slot if the ticket still owns it in ``state``; else report misuse."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 import io
 import pickle
 import warnings
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -26,19 +26,30 @@ from fastfeed._copy import bytes_are_values
 from fastfeed.protocol import Shipped
 from fastfeed.ring.memory import ALIGN
 
-__all__ = ["ship", "unship"]
+__all__ = ["ShippedTensor", "ship", "unship"]
+
+
+class ShippedTensor(NamedTuple):
+    """A plain tensor in a shipped batch: its storage's bytes (one uint8 array per storage,
+    which protocol 5 hands to the pickler's ``buffer_callback``), and where the tensor lies
+    in them."""
+
+    storage: np.ndarray
+    offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
 
 
 class _StorageIds:
-    """The ``persistent_id`` of a shipping pickler: each plain tensor as ``(storage bytes,
-    offset, shape, stride, dtype)``, with one uint8 array per storage, which protocol 5 hands
-    to the pickler's ``buffer_callback``."""
+    """The ``persistent_id`` of a shipping pickler: each plain tensor as a
+    :class:`ShippedTensor`."""
 
     def __init__(self) -> None:
         self._storages: dict[tuple[int, int], np.ndarray] = {}
         # id -> (tensor, its descriptor): the same tensor twice is one descriptor object, which
         # pickle's memo then writes once, and the unpickler rebuilds once.
-        self._seen: dict[int, tuple[torch.Tensor, tuple]] = {}
+        self._seen: dict[int, tuple[torch.Tensor, ShippedTensor]] = {}
 
     @property
     def tensors(self) -> int:
@@ -56,7 +67,8 @@ class _StorageIds:
         if memory is None:
             memory = torch.empty(0, dtype=torch.uint8).set_(storage).numpy()
             self._storages[key] = memory
-        pid = (memory, obj.storage_offset(), tuple(obj.shape), tuple(obj.stride()), obj.dtype)
+        pid = ShippedTensor(memory, obj.storage_offset(), tuple(obj.shape), tuple(obj.stride()),
+                            obj.dtype)
         self._seen[id(obj)] = (obj, pid)
         return pid
 
@@ -68,12 +80,14 @@ class _ShipUnpickler(pickle.Unpickler):
         self._rebuilt: dict[int, torch.Tensor] = {}  # id(descriptor) -> tensor
 
     def persistent_load(self, pid: Any) -> Any:
+        if not isinstance(pid, ShippedTensor):
+            raise pickle.UnpicklingError(f"unknown fastfeed persistent id {pid!r}")
         tensor = self._rebuilt.get(id(pid))
         if tensor is None:
-            memory, offset, shape, stride, dtype = pid
-            raw = self._storage(memory)
-            raw = raw[: raw.numel() - raw.numel() % dtype.itemsize].view(dtype)
-            tensor = self._rebuilt[id(pid)] = torch.as_strided(raw, shape, stride, offset)
+            raw = self._storage(pid.storage)
+            raw = raw[: raw.numel() - raw.numel() % pid.dtype.itemsize].view(pid.dtype)
+            tensor = self._rebuilt[id(pid)] = torch.as_strided(raw, pid.shape, pid.stride,
+                                                                pid.offset)
         return tensor
 
     def _storage(self, memory: np.ndarray) -> torch.Tensor:

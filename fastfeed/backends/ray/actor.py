@@ -4,7 +4,7 @@ The actor hosts the very loop a worker process runs (:func:`fastfeed.worker.work
 a thread of its own fed through in-process queues, so seeding, ``get_worker_info()``,
 ``worker_init_fn``, errors, IterableDataset exhaustion and persistent epochs cannot drift
 from a local worker's. Each actor call hands the loop one message and returns its reply, with
-the batch made ready for Ray's object store (:mod:`fastfeed.cluster.wire`), collated into
+the batch made ready for Ray's object store (:mod:`fastfeed.backends.ray.wire`), collated into
 memory the actor reuses for every batch, as a worker process collates into a ring slot. Ray
 runs an actor's calls one at a time, in the order they were submitted: the protocol's order.
 """
@@ -15,14 +15,13 @@ import math
 import queue
 import threading
 from dataclasses import replace
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import torch
-from torch._utils import ExceptionWrapper
 
-from fastfeed.cluster.wire import ship
+from fastfeed._torch_compat import ExceptionWrapper
+from fastfeed.backends.ray.wire import ship
 from fastfeed.collate import as_collate_into
 from fastfeed.protocol import (
     Answer,
@@ -30,6 +29,8 @@ from fastfeed.protocol import (
     Failed,
     Produced,
     ReplicaEnded,
+    ShutdownFlag,
+    Skipped,
     StartEpoch,
     Task,
     WorkerConfig,
@@ -48,12 +49,14 @@ class RayWorker:
     once an actor runs it).
 
     Args:
-        config: the worker's configuration, without its dataset.
-        dataset: the dataset, which the backend puts in the object store once for all
-            workers; Ray resolves it before the actor starts.
+        shared: what every worker of the iterator shares (the script's objects pickled
+            together: see :meth:`fastfeed.backends.ray.backend.RayBackend.spawn`), which the
+            backend puts in the object store once; Ray resolves it before the actor starts.
+        worker_id, num_workers, dataset_state: this worker's seat.
     """
 
-    def __init__(self, config: WorkerConfig, dataset: Any) -> None:
+    def __init__(self, shared: WorkerConfig, worker_id: int, num_workers: int,
+                 dataset_state: Any) -> None:
         from ray import cloudpickle  # in an actor, Ray is there
 
         self._pickler = cloudpickle.CloudPickler
@@ -63,17 +66,19 @@ class RayWorker:
         self._loop = threading.Thread(
             target=worker_loop,
             # Never shutting down: the backend ends the actor itself.
-            args=(replace(config, dataset=dataset, collate_fn=_ReusedMemory(config.collate_fn)),
-                  self._tasks, self._replies, SimpleNamespace(value=False), None),
-            name=f"fastfeed-worker-{config.worker_id}", daemon=True)
+            args=(replace(shared, worker_id=worker_id, num_workers=num_workers,
+                          dataset_state=dataset_state,
+                          collate_fn=_ReusedMemory(shared.collate_fn)),
+                  self._tasks, self._replies, ShutdownFlag(), None),
+            name=f"fastfeed-worker-{worker_id}", daemon=True)
         self._loop.start()
 
-    def run(self, message: Task | StartEpoch) -> Answer | EpochStarted | None:
-        """The loop's reply to ``message``; None for a task queued behind the end of the
-        worker's IterableDataset replica, which the loop skips (the main process has
+    def run(self, message: Task | StartEpoch) -> Answer | EpochStarted | Skipped:
+        """The loop's reply to ``message``; :class:`Skipped` for a task queued behind the end
+        of the worker's IterableDataset replica, which the loop skips (the main process has
         cancelled it)."""
         if isinstance(message, Task) and self._replica_ended:
-            return None
+            return Skipped(message.seq)
         self._tasks.put(message)
         reply = self._reply()
         if isinstance(reply, EpochStarted):

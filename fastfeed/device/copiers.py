@@ -1,7 +1,7 @@
-"""Device prefetch: copy batches to the GPU on a side stream, some batches ahead.
+"""Copying one host batch to the device: the CUDA stream rules in one place.
 
-Each host batch is copied ``non_blocking`` from page-locked memory on one copy stream per
-loader, and ``gpu_transform`` runs on that stream right after the copy. An event marks the end
+Each host batch is copied ``non_blocking`` from page-locked memory on the loader's copy
+stream, and the transforms run on that stream right after the copy. An event marks the end
 of that work; the batch's ring slot is fenced with it, the consumer's stream waits on it, and
 every device tensor is marked with ``record_stream`` (:class:`StreamCopier`).
 
@@ -10,74 +10,19 @@ On ``device="cpu"`` the same path runs without streams or events (:class:`HostCo
 
 from __future__ import annotations
 
-import os
 import time
-from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
 
-from fastfeed.iterators.base import HostBatch
-from fastfeed.placement import local_cuda_index
+from fastfeed.iterators import HostBatch
 from fastfeed.ring import Lease
-from fastfeed.telemetry import Telemetry, batch_length
+from fastfeed.telemetry import Telemetry
 from fastfeed.tree import map_arrays, map_tensors
 
-__all__ = [
-    "DeviceIterator",
-    "HostCopier",
-    "HostIterator",
-    "StreamCopier",
-    "TorchIteratorHost",
-    "check_device",
-    "pinned_source",
-    "resolve_device",
-]
-
-
-def check_device(device: str | int | torch.device) -> torch.device:
-    """Parse ``device`` and check that this machine has it, without initialising CUDA.
-
-    Raises:
-        ValueError: the string is not a device, or CUDA is requested but unavailable.
-    """
-    try:
-        resolved = torch.device(device)
-    except (RuntimeError, TypeError) as error:
-        raise ValueError(f"device={device!r} is not a valid torch device: {error}") from None
-    if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(
-            f"device={device!r} was requested but CUDA is not available "
-            "(torch.cuda.is_available() is False); use device='cpu' or None"
-        )
-    if resolved.type not in ("cpu", "cuda"):
-        raise ValueError(f"device={device!r}: fastfeed prefetches to 'cpu' or 'cuda' devices")
-    return resolved
-
-
-def resolve_device(device: str | int | torch.device) -> torch.device:
-    """:func:`check_device`, with the index of this process's GPU filled in.
-
-    A bare ``"cuda"`` means GPU 0 when the process sees one (a launcher that sets
-    ``CUDA_VISIBLE_DEVICES`` per rank); else the device the script chose with
-    ``torch.cuda.set_device`` (any but 0), else ``LOCAL_RANK``'s GPU (torchrun), else GPU 0
-    (see :func:`fastfeed.placement.local_cuda_index`). Call it when the training script has
-    chosen its device, not before.
-
-    Raises:
-        ValueError: the string is not a device, CUDA is requested but unavailable, or the
-            index does not name a device this process sees.
-    """
-    resolved = check_device(device)
-    if resolved.type != "cuda":
-        return resolved
-    current = torch.cuda.current_device() if torch.cuda.is_initialized() else 0
-    index = local_cuda_index(resolved.index, os.environ.get("LOCAL_RANK"),
-                             torch.cuda.device_count(), current)
-    return torch.device("cuda", index)
+__all__ = ["Copier", "HostCopier", "StreamCopier", "pinned_source"]
 
 
 def _dense(tensor: torch.Tensor) -> bool:
@@ -246,125 +191,3 @@ def _out_of_slot(batch: Any, lease: Lease | None) -> Any:
     return map_arrays(copy_out, batch, deep=True)
 
 
-class HostIterator(Protocol):
-    """What the device stage needs of the iterator it wraps (see
-    :class:`fastfeed.iterators.base.BaseIterator`)."""
-
-    base_seed: int
-    device_tail: Callable[[Any], Any] | None
-
-    def next_host_batch(self) -> HostBatch: ...
-
-    def position(self) -> Any: ...
-
-    def state_at(self, position: Any) -> Any: ...
-
-    def close(self) -> None: ...
-
-    def __len__(self) -> int: ...
-
-
-class DeviceIterator:
-    """Wraps a host iterator; yields batches already on the device, ``depth`` batches ahead.
-
-    The host batch is dropped as soon as its copy is queued: the slot the copy reads is
-    fenced with the copy's event through the batch's lease, and memory from torch's pinned
-    pool is guarded by torch. So neither an abandoned iterator nor a slow consumer can let a
-    slot be rewritten under a copy still queued.
-
-    A ``transform`` whose ``blocks_host`` attribute is true (it waits for the GPU inside, as
-    torchvision's JPEG decoder does) runs with its copy in a helper thread, so that the
-    training thread goes on queueing its own work meanwhile; batches still come in order.
-    """
-
-    def __init__(
-        self,
-        host: HostIterator,
-        copier: Copier,
-        depth: int,
-        transform: Callable[[Any], Any] | None,
-        telemetry: Telemetry | None = None,
-    ) -> None:
-        self._host = host
-        self._copier = copier
-        self._telemetry = telemetry or Telemetry()
-        self._depth = depth
-        self._transform = transform
-        self._helper = (ThreadPoolExecutor(1, thread_name_prefix="fastfeed-copy")
-                        if getattr(transform, "blocks_host", False) else None)
-        # ((device batch, event) or its Future, where the host stood after handing it over)
-        self._ready: deque[tuple[Any, Any]] = deque()
-        self._exhausted = False
-        # Batches copied ahead are not delivered yet: resume from the last delivered one.
-        self._delivered_at = host.position()
-
-    def __iter__(self) -> DeviceIterator:
-        return self
-
-    def __len__(self) -> int:
-        return len(self._host)
-
-    def state_dict(self) -> Any:
-        """The host iterator's snapshot as of the last batch this iterator delivered."""
-        return self._host.state_at(self._delivered_at)
-
-    def close(self) -> None:
-        """Drop the batches copied ahead, then close the host iterator (the fences keep the
-        slots those copies read until they complete)."""
-        self._ready.clear()
-        self._exhausted = True
-        if self._helper is not None:
-            self._helper.shutdown(wait=False, cancel_futures=True)
-        self._host.close()
-
-    def _fill(self) -> None:
-        while not self._exhausted and len(self._ready) < self._depth:
-            try:
-                host = self._host.next_host_batch()
-            except StopIteration:
-                self._exhausted = True
-                return
-            args = (host, self._transform, self._telemetry)
-            copied = (self._copier.copy(*args) if self._helper is None
-                      else self._helper.submit(self._copier.copy, *args))
-            self._ready.append((copied, self._host.position()))
-
-    def __next__(self) -> Any:
-        requested = time.perf_counter()
-        self._fill()
-        if not self._ready:
-            self._delivered_at = self._host.position()
-            raise StopIteration
-        copied, self._delivered_at = self._ready.popleft()
-        batch, event = copied.result() if isinstance(copied, Future) else copied
-        if event is not None:
-            self._copier.hand_over(batch, event)
-        self._telemetry.delivered(requested, batch_length(batch, auto_collation=True))
-        self._fill()  # queue the next copies now, so that they overlap the consumer's step
-        return batch
-
-
-class TorchIteratorHost:
-    """torch's own iterators (DataPipes run on them) as a host: batches without leases, and
-    no snapshots."""
-
-    device_tail = None
-
-    def __init__(self, iterator: Any) -> None:
-        self._iterator = iterator
-        self.base_seed: int = iterator._base_seed
-
-    def next_host_batch(self) -> HostBatch:
-        return HostBatch(next(self._iterator), None)
-
-    def position(self) -> None:
-        return None
-
-    def state_at(self, position: Any) -> Any:
-        raise TypeError("DataPipe datasets run on torch's iterators and cannot be resumed")
-
-    def close(self) -> None:
-        pass
-
-    def __len__(self) -> int:
-        return len(self._iterator)

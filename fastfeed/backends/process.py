@@ -1,0 +1,195 @@
+"""Worker processes (the default): batches cross through the ring.
+
+The backend owns what the workers share with the main process: the result queue and the
+shutdown flag; each worker's handle owns its task queue and its control pipe, over which it
+is told of the ring's slots.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import threading
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+from fastfeed.backends.base import (
+    ABANDONED_GRACE,
+    SHUTDOWN_GRACE,
+    FromWorker,
+    QueueFedWorker,
+    WorkerKind,
+)
+from fastfeed.protocol import ShutdownFlag, SlotAdded, SlotDropped, Stop, WorkerConfig
+from fastfeed.ring import SlotRing
+from fastfeed.ring.control import ControlPipe
+from fastfeed.worker import worker_loop
+
+__all__ = ["ProcessBackend", "ProcessWorker"]
+
+_PICKLE_ERROR = (
+    "Got pickle error when attempting to start a worker Process. This might be because the "
+    "worker Process arguments are not picklable (with the 'spawn' and 'forkserver' start "
+    "methods, the dataset, collate_fn and worker_init_fn must be). You can also try "
+    "multiprocessing.set_start_method('fork')."
+)
+
+
+@dataclass
+class ProcessWorker(QueueFedWorker):
+    """A worker process, its task queue and the main side of its control pipe (None without a
+    ring: batches then take torch's shared memory)."""
+
+    worker_id: int
+    process: BaseProcess
+    task_queue: Any
+    control: ControlPipe | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid
+
+    @property
+    def task_id(self) -> int | None:
+        return self.process.pid
+
+    def announce_slots(self, created: Sequence[SlotAdded], retired: Sequence[int]) -> None:
+        if self.control is None or self.process.exitcode is not None:
+            return
+        try:
+            for slot_id in retired:
+                self.control.send(SlotDropped(slot_id))
+            for slot in created:
+                self.control.send(slot)
+        except OSError:
+            pass  # the worker died; the pool's liveness check reports it
+
+    def exit_reason(self) -> str | None:
+        exitcode = self.process.exitcode
+        if exitcode is None:
+            return None
+        if exitcode >= 0:
+            return f"exit code {exitcode}."
+        signum = -exitcode
+        try:
+            name = signal.Signals(signum).name
+        except ValueError:
+            name = f"signal {signum}"
+        hint = ""
+        if signum == signal.SIGBUS:
+            hint = " This usually means /dev/shm is full: enlarge it (docker --shm-size)."
+        elif signum == signal.SIGKILL:
+            hint = " It may have been killed by the out-of-memory killer."
+        return f"killed by signal {signum} ({name}).{hint}"
+
+
+class ProcessBackend:
+    """Worker processes from ``context`` (a multiprocessing context or module: fork, spawn or
+    forkserver), fed through ``ring`` (None: no ring)."""
+
+    kind: WorkerKind = "process"
+
+    def __init__(self, context: Any, ring: SlotRing | None) -> None:
+        self._context = context
+        self._ring = ring
+        self._results = context.Queue()
+        self._shutting_down = ShutdownFlag(context)
+        self.workers: list[ProcessWorker] = []
+
+    def start(self, config: WorkerConfig) -> ProcessWorker:
+        task_queue = self._context.Queue()
+        task_queue.cancel_join_thread()
+        control = worker_control = None
+        if self._ring is not None:
+            control, worker_control = ControlPipe.pair()
+        process = self._context.Process(
+            target=worker_loop,
+            args=(config, task_queue, self._results, self._shutting_down, worker_control),
+            daemon=True,
+        )
+        worker = ProcessWorker(config.worker_id, process, task_queue, control)
+        try:
+            process.start()
+        except (TypeError, AttributeError, pickle.PicklingError):
+            warnings.warn(_PICKLE_ERROR, stacklevel=2)  # torch's warning, for spawn/forkserver
+            raise
+        finally:
+            if worker_control is not None:
+                worker_control.close()  # the worker has its own end now, or never will
+        self.workers.append(worker)
+        if self._ring is not None:
+            # A worker added late maps the slots that exist already.
+            worker.announce_slots(self._ring.slots(), [])
+        return worker
+
+    def next_answer(self, timeout: float) -> FromWorker:
+        return self._results.get(timeout=timeout)
+
+    def shutdown(self, wait: bool = True, then: Callable[[], None] | None = None) -> None:
+        """Ask the workers to exit, then join them (terminating any still busy after the
+        grace), then call ``then``: nothing of theirs can write shared memory any more. With
+        ``wait=False`` (from a finaliser) a reaper thread joins them instead, so that the
+        thread the garbage collector happened to run in is never blocked."""
+        self._shutting_down.set()
+        workers = list(self.workers)
+        try:
+            for worker in workers:
+                if worker.process.exitcode is None:
+                    worker.send(Stop())
+        finally:
+            if wait:
+                try:
+                    stop_processes(workers, SHUTDOWN_GRACE, then)
+                finally:
+                    self._close(workers)
+            else:
+                # The reaper closes nothing: reference counting does, once it drops the
+                # workers. The collector may already have finalised (closed) these pipes,
+                # and closing one again could close an fd number reused since.
+                threading.Thread(target=stop_processes, args=(workers, ABANDONED_GRACE, then),
+                                 name="fastfeed-reaper", daemon=True).start()
+
+    def _close(self, workers: list[ProcessWorker]) -> None:
+        for worker in workers:
+            worker.task_queue.cancel_join_thread()
+            worker.task_queue.close()
+            if worker.control is not None:
+                worker.control.close()
+        self._results.cancel_join_thread()
+        self._results.close()
+
+
+def stop_processes(workers: Sequence[ProcessWorker], grace: float,
+                   then: Callable[[], None] | None = None) -> None:
+    """Join ``workers`` for up to ``grace`` seconds, terminate those still running, then call
+    ``then`` if every one is gone (a worker that outlives terminate() may still write)."""
+    try:
+        deadline = time.monotonic() + grace
+        for worker in workers:
+            worker.process.join(timeout=max(0.0, deadline - time.monotonic()))
+    finally:
+        for worker in workers:
+            if worker.process.exitcode is None:
+                worker.process.terminate()
+                worker.process.join(timeout=SHUTDOWN_GRACE)
+        if then is not None and all(_exited(w.process) for w in workers):
+            then()
+
+
+def _exited(process: BaseProcess) -> bool:
+    """Whether ``process`` is gone. Its exit code alone is not enough: when another
+    ``waitpid`` in this process reaps the child first (seen in the leak tests, while the next
+    epoch's workers start), multiprocessing's handle never learns the code."""
+    if process.exitcode is not None:
+        return True
+    assert process.pid is not None
+    try:
+        os.kill(process.pid, 0)
+    except ProcessLookupError:
+        return True
+    return False

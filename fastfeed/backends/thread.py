@@ -1,0 +1,85 @@
+"""Worker threads in this process (``worker_mode="thread"``): no IPC, no pickling, for work
+that releases the GIL. A batch is handed over as it is: no ring."""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from fastfeed.backends.base import (
+    SHUTDOWN_GRACE,
+    FromWorker,
+    QueueFedWorker,
+    ToWorker,
+    WorkerKind,
+)
+from fastfeed.protocol import ShutdownFlag, SlotAdded, Stop, WorkerConfig
+from fastfeed.worker import worker_loop
+
+__all__ = ["ThreadBackend", "ThreadWorker"]
+
+
+@dataclass
+class ThreadWorker(QueueFedWorker):
+    """A worker thread and its task queue."""
+
+    worker_id: int
+    thread: threading.Thread
+    task_queue: queue.Queue = field(default_factory=queue.Queue)
+    pid: int = field(default_factory=os.getpid)  # this process's
+
+    @property
+    def task_id(self) -> int | None:
+        return self.thread.native_id
+
+    def announce_slots(self, created: Sequence[SlotAdded], retired: Sequence[int]) -> None:
+        pass  # a thread hands its batch over as it is: it maps no slot
+
+    def exit_reason(self) -> str | None:
+        return None if self.thread.is_alive() else "the thread ended."
+
+
+class ThreadBackend:
+    """Worker threads in this process."""
+
+    kind: WorkerKind = "thread"
+
+    def __init__(self) -> None:
+        self._results: queue.Queue[FromWorker] = queue.Queue()
+        self._shutting_down = ShutdownFlag()
+        self.workers: list[ThreadWorker] = []
+
+    def start(self, config: WorkerConfig) -> ThreadWorker:
+        task_queue: queue.Queue[ToWorker] = queue.Queue()
+        thread = threading.Thread(
+            target=worker_loop,
+            args=(config, task_queue, self._results, self._shutting_down, None),
+            name=f"fastfeed-worker-{config.worker_id}",
+            daemon=True,
+        )
+        thread.start()
+        worker = ThreadWorker(config.worker_id, thread, task_queue)
+        self.workers.append(worker)
+        return worker
+
+    def next_answer(self, timeout: float) -> FromWorker:
+        return self._results.get(timeout=timeout)
+
+    def shutdown(self, wait: bool = True, then: Callable[[], None] | None = None) -> None:
+        # Thread workers write no ring slot: ``then`` has nothing to wait for.
+        self._shutting_down.set()
+        for worker in self.workers:
+            worker.send(Stop())
+        if then is not None:
+            then()
+        if not wait:
+            return  # threads cannot be terminated; each is a daemon and ends after its task
+        deadline = time.monotonic() + SHUTDOWN_GRACE
+        for worker in self.workers:
+            # A thread busy in a long __getitem__ cannot be stopped; it is a daemon and ends
+            # with its task.
+            worker.thread.join(timeout=max(0.0, deadline - time.monotonic()))

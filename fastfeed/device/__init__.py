@@ -1,0 +1,31 @@
+"""The device stage: what a batch goes through between the host iterator and the consumer.
+
+* :mod:`~fastfeed.device.stage`: the one factory that assembles it for each iterator;
+* :mod:`~fastfeed.device.prefetch`: batches copied to the device some batches ahead;
+* :mod:`~fastfeed.device.pinned`: without a device, batches copied into pinned memory ahead
+  of the consumer (``pin_memory=True``);
+* :mod:`~fastfeed.device.copiers`: copying one batch (the CUDA stream rules);
+* :mod:`~fastfeed.device.resolve`: which device ``device=`` means.
+"""
+
+from fastfeed.device.copiers import Copier, HostCopier, StreamCopier, pinned_source
+from fastfeed.device.pinned import PinnedIterator
+from fastfeed.device.prefetch import DeviceIterator, HostIterator, TorchIteratorHost
+from fastfeed.device.resolve import check_device, resolve_device
+from fastfeed.device.stage import DeviceStage, HostTerms, StageOptions
+
+__all__ = [
+    "Copier",
+    "DeviceIterator",
+    "DeviceStage",
+    "HostCopier",
+    "HostIterator",
+    "HostTerms",
+    "PinnedIterator",
+    "StageOptions",
+    "StreamCopier",
+    "TorchIteratorHost",
+    "check_device",
+    "pinned_source",
+    "resolve_device",
+]

@@ -1,0 +1,180 @@
+"""The device stage, assembled in one place: what wraps a loader's host iterator.
+
+A loader has one :class:`DeviceStage`, made with it and kept across epochs. For each new host
+iterator, :meth:`DeviceStage.wrap` builds what its batches go through on their way to the
+consumer, from the loader's arguments (:class:`StageOptions`):
+
+* no ``device``: the host iterator itself; with ``pin_memory=True`` (and CUDA), a
+  :class:`~fastfeed.device.pinned.PinnedIterator` that copies its batches into torch's pinned
+  memory, ahead of the consumer on a helper thread (in ``next()`` with ``num_workers=0``);
+* ``device="cpu"``: a :class:`~fastfeed.device.prefetch.DeviceIterator` with a
+  :class:`~fastfeed.device.copiers.HostCopier`;
+* ``device="cuda"``: the same with a :class:`~fastfeed.device.copiers.StreamCopier` on the
+  loader's copy stream (one per loader), its slots page-locked for that GPU.
+
+What the stage asks of the host iterators it will wrap (:class:`HostTerms`) is known before
+they are made: :meth:`DeviceStage.terms`.
+
+The transforms run on the device in order: the tail of what the workers make (a dataset's
+batch tail), then ``gpu_transform``, seeded from the iterator's base seed. The stage also
+keeps the NVML sampler that reads the GPU the batches go to.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fastfeed.device.copiers import Copier, HostCopier, StreamCopier
+from fastfeed.device.pinned import PinHelper, PinnedIterator
+from fastfeed.device.prefetch import DeviceIterator, HostIterator, TorchIteratorHost
+from fastfeed.device.resolve import resolve_device
+from fastfeed.iterators import BaseIterator
+from fastfeed.telemetry import GpuSampler, Telemetry
+
+__all__ = ["DeviceStage", "HostTerms", "StageOptions"]
+
+
+@dataclass(frozen=True)
+class StageOptions:
+    """What the loader's arguments ask of the device stage.
+
+    Attributes:
+        device: the loader's checked ``device`` (a bare ``"cuda"`` is resolved at the first
+            iteration), or None.
+        pin_memory: the loader's ``pin_memory``.
+        prefetch_depth: batches copied ahead of the consumer.
+        gpu_transform: run on each batch on the device, after the copy.
+        num_workers, prefetch_factor: the loader's (batches pinned ahead: as many as torch's
+            pin thread may have pinned, ``prefetch_factor * num_workers``).
+        auto_collation: the loader batches samples itself (how delivered samples are counted).
+    """
+
+    device: torch.device | None
+    pin_memory: bool = False
+    prefetch_depth: int = 2
+    gpu_transform: Callable[[Any], Any] | None = None
+    num_workers: int = 0
+    prefetch_factor: int | None = None
+    auto_collation: bool = True
+
+
+@dataclass(frozen=True)
+class HostTerms:
+    """What the device stage asks of the host iterators it will wrap.
+
+    Attributes:
+        copy_device: the CUDA device fastfeed copies batches to itself (``device="cuda"``):
+            it owns and fences every copy out of a slot, so slots may be page-locked for it.
+            None otherwise.
+        held_batches: host batches the stage holds at once; their slots stay out of the ring.
+        times_delivery: the stage measures the consumer's wait itself.
+    """
+
+    copy_device: int | None = None
+    held_batches: int = 0
+    times_delivery: bool = False
+
+
+def _chain(first: Callable[[Any], Any] | None, then: Callable[[Any], Any] | None
+           ) -> Callable[[Any], Any] | None:
+    if first is None or then is None:
+        return first or then
+    return lambda batch: then(first(batch))
+
+
+class DeviceStage:
+    """One loader's device stage: the device it delivers to (resolved once), its copy stream
+    and its GPU sampler, which every epoch's iterator shares.
+
+    Args:
+        telemetry: the loader's, which the stage's iterators report to.
+    """
+
+    def __init__(self, telemetry: Telemetry) -> None:
+        self._telemetry = telemetry
+        self._target: torch.device | None = None  # the device, resolved at first use
+        self.copy_stream: Any = None  # one per loader, created on first use
+        self._gpu_sampler: GpuSampler | None = None
+        self._pin_helper: PinHelper | None = None  # the last pinned iterator's
+
+    def target(self, device: torch.device | None) -> torch.device | None:
+        """``device``, resolved the first time it is asked for (at the first iteration, once
+        the training script has chosen its GPU), then kept."""
+        if device is not None and self._target is None:
+            self._target = resolve_device(device)
+        return self._target
+
+    def terms(self, options: StageOptions) -> HostTerms:
+        """What the stage will ask of the next host iterator (see :class:`HostTerms`)."""
+        target = self.target(options.device)
+        if target is not None:  # ready batches, plus the one being copied
+            return HostTerms(target.index if target.type == "cuda" else None,
+                             held_batches=options.prefetch_depth + 1, times_delivery=True)
+        ahead = self._pinned_ahead(options)
+        if ahead is None:
+            return HostTerms()
+        return HostTerms(held_batches=1 if ahead else 0, times_delivery=True)
+
+    def _pinned_ahead(self, options: StageOptions) -> int | None:
+        """With ``pin_memory=True`` and no ``device``, how many batches are pinned ahead of
+        the consumer (0: in ``next()``, as torch does without workers); None: no pinning
+        (``pin_memory()`` needs CUDA)."""
+        if options.device is not None or not options.pin_memory or not torch.cuda.is_available():
+            return None
+        return (options.prefetch_factor or 1) * options.num_workers
+
+    def release_host(self) -> None:
+        """Let the host iterator go: the last pinned iterator's helper stops reading it (it
+        leaves after the batch it is pulling), before persistent workers start their next
+        epoch on it. Its batches pinned ahead are dropped."""
+        if self._pin_helper is not None:
+            self._pin_helper.stop()
+            self._pin_helper.join()
+            self._pin_helper = None
+
+    def gpu_sampler(self) -> GpuSampler:
+        """The sampler of the GPU the batches go to (the current device when fastfeed copies
+        nothing), made on first use."""
+        if self._gpu_sampler is None:
+            target = self._target
+            self._gpu_sampler = GpuSampler(
+                target.index if target is not None and target.type == "cuda" else None)
+        return self._gpu_sampler
+
+    def wrap(self, host: Any, options: StageOptions) -> Any:
+        """What the consumer iterates for ``host`` (a FastLoader iterator, or torch's for a
+        DataPipe)."""
+        target = self.target(options.device)
+        heads_to_cuda = (target is not None and target.type == "cuda") or (
+            options.pin_memory and torch.cuda.is_available())
+        if heads_to_cuda and self._gpu_sampler is None:
+            sampler = self.gpu_sampler()
+            sampler.start()
+            weakref.finalize(self, sampler.stop)
+        if target is None:
+            ahead = self._pinned_ahead(options)
+            # torch's own iterators (DataPipes) pin their batches themselves.
+            if ahead is None or not isinstance(host, BaseIterator):
+                return host
+            pinned = PinnedIterator(host, ahead, self._telemetry, options.auto_collation)
+            self._pin_helper = pinned.helper
+            return pinned
+        source: HostIterator = host if isinstance(host, BaseIterator) else TorchIteratorHost(host)
+        gpu_transform = options.gpu_transform
+        if gpu_transform is not None and hasattr(gpu_transform, "seed"):
+            # Seeded from the base seed the iterator already drew: no extra generator draws.
+            gpu_transform.seed(source.base_seed)
+        copier: Copier = HostCopier(target)
+        if target.type == "cuda":
+            if self.copy_stream is None:
+                self.copy_stream = torch.cuda.Stream(target)
+            copier = StreamCopier(target, self.copy_stream)
+        # The tail of what the workers make (persistent workers keep the first iterator's)
+        # runs first, on the copy stream.
+        transform = _chain(source.device_tail, gpu_transform)
+        return DeviceIterator(source, copier, options.prefetch_depth, transform, self._telemetry)
