@@ -80,11 +80,25 @@ class HostTerms:
     times_delivery: bool = False
 
 
+class _Chain:
+    """``then(first(batch))``, which blocks the host (and so runs on the device stage's helper
+    thread, see :class:`~fastfeed.device.prefetch.DeviceIterator`) when either part does: a
+    GPU decode tail followed by the user's ``gpu_transform`` must not move back onto the
+    training thread."""
+
+    def __init__(self, first: Callable[[Any], Any], then: Callable[[Any], Any]) -> None:
+        self._first, self._then = first, then
+        self.blocks_host = any(getattr(part, "blocks_host", False) for part in (first, then))
+
+    def __call__(self, batch: Any) -> Any:
+        return self._then(self._first(batch))
+
+
 def _chain(first: Callable[[Any], Any] | None, then: Callable[[Any], Any] | None
            ) -> Callable[[Any], Any] | None:
     if first is None or then is None:
         return first or then
-    return lambda batch: then(first(batch))
+    return _Chain(first, then)
 
 
 class DeviceStage:
