@@ -144,6 +144,23 @@ def test_workers_side_by_side_and_no_wait_on_the_training_thread(name, root, gpu
     assert_close_to_stock(list(expected), read(gpu, second), transform)
 
 
+class Identity:
+    """A user's gpu_transform that does nothing to the batch."""
+
+    def __call__(self, batch):
+        return batch
+
+
+def test_a_users_gpu_transform_keeps_the_decode_off_the_training_thread(root, gpu, decoder):
+    """The decode runs on the helper thread with a gpu_transform of the user's after it too
+    (the two chained must block the host as the decode alone does)."""
+    stock = datasets.ImageFolder(str(root), transform=PIPELINES["v1-train"]())
+    loader = FastLoader(on_gpu(stock), batch_size=5, num_workers=2, device="cuda",
+                        gpu_transform=Identity())
+    batches = list(loader)
+    assert batches and gpu.syncs_in("MainThread") == []
+
+
 def save_jpeg(path, image, **options):
     path.parent.mkdir(parents=True, exist_ok=True)
     image.save(path, "JPEG", **options)
