@@ -234,7 +234,7 @@ class FastLoader(DataLoader):
 
     def _stage_options(self) -> StageOptions:
         return StageOptions(self.device, self.pin_memory, self.prefetch_depth, self.gpu_transform,
-                            self.num_workers, self.prefetch_factor, auto_collation(self))
+                            self.num_workers, auto_collation(self))
 
     def _iterator_setup(self) -> IteratorSetup:
         """Everything fastfeed decides for the next iterator (see ``iterators/setup.py``)."""

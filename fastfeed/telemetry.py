@@ -248,7 +248,9 @@ def batch_length(batch: Any, auto_collation: bool) -> int:
 class Telemetry:
     """Accumulates a loader's counters, across epochs, until :meth:`reset`.
 
-    Only the iterating thread records (workers' timings arrive with their batches), so no lock.
+    The training thread records deliveries; the device stage's helper threads (the pinned
+    copies', the blocking transforms') record the stages they run and the batches they pull,
+    so every update takes a lock (uncontended, well under a microsecond).
 
     ``describe`` renders the one-line summary logged every ``log_every`` batches.
     """
@@ -259,9 +261,14 @@ class Telemetry:
         self.describe = describe
         self.worker_mode = "process"
         self.ring: Any = None  # the live iterator's SlotRing, for occupancy
+        self._lock = threading.Lock()
         self.reset()
 
     def reset(self) -> None:
+        with self._lock:
+            self._reset()
+
+    def _reset(self) -> None:
         self.batches = 0
         self.samples = 0
         self.waited = 0.0
@@ -274,30 +281,37 @@ class Telemetry:
         self.decisions: list[str] = []
 
     def add_stage(self, stage: str, seconds: float) -> None:
-        self.stage_s[stage] += seconds
-        self.stage_batches[stage] += 1
+        with self._lock:
+            self.stage_s[stage] += seconds
+            self.stage_batches[stage] += 1
 
     def record_produced(self, produced: Produced, by_worker: bool = True) -> None:
         """A worker's (or the main process's) timings and skips for one batch."""
-        self.skipped += produced.skipped
-        self.add_stage("fetch", produced.fetch_s)
-        self.add_stage("collate", produced.collate_s)
-        if by_worker:
-            self.worker_busy_s += produced.fetch_s + produced.collate_s
+        with self._lock:
+            self.skipped += produced.skipped
+            for stage, seconds in (("fetch", produced.fetch_s), ("collate", produced.collate_s)):
+                self.stage_s[stage] += seconds
+                self.stage_batches[stage] += 1
+            if by_worker:
+                self.worker_busy_s += produced.fetch_s + produced.collate_s
 
     def delivered(self, requested_at: float, batch_size: int) -> None:
         now = time.perf_counter()
-        if self.first_request is None:
-            self.first_request = requested_at
-        self.waited += now - requested_at
-        self.last_delivery = now
-        self.batches += 1
-        self.samples += batch_size
-        if self.log_every and self.batches % self.log_every == 0:
+        with self._lock:
+            if self.first_request is None:
+                self.first_request = requested_at
+            self.waited += now - requested_at
+            self.last_delivery = now
+            self.batches += 1
+            self.samples += batch_size
+            every = self.log_every
+            log = every is not None and every > 0 and self.batches % every == 0
+        if log:
             self._log_line()
 
     def decision(self, message: str) -> None:
-        self.decisions.append(message)
+        with self._lock:
+            self.decisions.append(message)
         logger.debug("fastfeed tuner: %s", message)
 
     def _log_line(self) -> None:

@@ -6,7 +6,13 @@ import gc
 import pytest
 import torch
 from helpers import assert_same, compare
-from sample_datasets import DetectionDataset, MixedDataset, TensorDataset, detection_collate
+from sample_datasets import (
+    DetectionDataset,
+    FailingDataset,
+    MixedDataset,
+    TensorDataset,
+    detection_collate,
+)
 from torch.utils.data import DataLoader
 
 from fastfeed import FastLoader
@@ -19,6 +25,47 @@ from fastfeed.device import resolve_device
 def test_cpu_device_gives_the_same_batches(num_workers, dataset):
     compare(dataset, batch_size=4, num_workers=num_workers, shuffle=True, generator=4,
             fast={"device": "cpu", "prefetch_depth": 3}, epochs=2)
+
+
+def outcomes(loader):
+    """Every batch and error of an epoch, in order, iteration going on after an error."""
+    results, iterator = [], iter(loader)
+    while True:
+        try:
+            results.append(("batch", next(iterator).tolist()))
+        except StopIteration:
+            return results
+        except (KeyError, ValueError) as error:
+            results.append(("error", str(error).splitlines()[0]))
+
+
+class FailsOnBatch:
+    """A gpu_transform that raises on the batch holding ``bad``."""
+
+    def __init__(self, bad: int) -> None:
+        self.bad = bad
+
+    def __call__(self, batch):
+        if (batch == self.bad).any():
+            raise ValueError(f"transform refused the batch with {self.bad}")
+        return batch
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_an_error_comes_in_its_batch_turn_with_a_device(num_workers):
+    """A dataset's error, and a gpu_transform's, is raised in its batch's turn, after the
+    batches before it, and iteration goes on, as the stock loader's (no batch lost: the copy
+    stage reads ahead of the consumer)."""
+    kwargs = {"batch_size": 2, "num_workers": num_workers}
+    expected = outcomes(DataLoader(FailingDataset(bad=5), **kwargs))
+    assert [kind for kind, _ in expected] == ["batch", "batch", "error", "batch", "batch", "batch"]
+    got = outcomes(FastLoader(FailingDataset(bad=5), device="cpu", prefetch_depth=3, **kwargs))
+    assert got == expected
+    refused = outcomes(FastLoader(FailingDataset(bad=-1), device="cpu", prefetch_depth=3,
+                                  gpu_transform=FailsOnBatch(6), **kwargs))
+    assert refused == [("batch", [0, 1]), ("batch", [2, 3]), ("batch", [4, 5]),
+                       ("error", "transform refused the batch with 6"), ("batch", [8, 9]),
+                       ("batch", [10, 11])]
 
 
 def test_gpu_transform_on_cpu_matches_reference():

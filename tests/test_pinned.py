@@ -189,3 +189,52 @@ def test_break_del_and_close_leave_no_thread(pin):
     assert all(not worker.is_alive() for worker in iterator._workers)
     del iterator
     gc.collect()
+
+
+def test_close_gets_the_helper_out_before_the_workers_stop(pin, monkeypatch):
+    """close() while the helper is dispatching a task: the helper leaves the pool first (its
+    next wait interrupted), then the pool shuts down, so nothing is dispatched to workers being
+    shut down, nor is the task book changed under the shutdown's walk of it; no worker or
+    thread is left behind, and every slot comes back."""
+    from fastfeed.iterators.crew import WorkerCrew
+    from fastfeed.iterators.tasks import TaskBook
+
+    armed, dispatching = threading.Event(), threading.Event()
+    shutting_down: set[int] = set()
+    late_sends: list[int] = []
+    book_send, send, shutdown = TaskBook.send, WorkerCrew.send, WorkerCrew.shutdown
+
+    def slow_book_send(self, worker_id, ticket):
+        if threading.current_thread().name == "fastfeed-pin" and armed.is_set() \
+                and not dispatching.is_set():
+            dispatching.set()
+            time.sleep(0.3)  # the helper is inside the pool while close() is called
+        return book_send(self, worker_id, ticket)
+
+    def recorded_send(self, worker_id, message):
+        if id(self) in shutting_down:
+            late_sends.append(worker_id)
+        return send(self, worker_id, message)
+
+    def recorded_shutdown(self, wait=True):
+        shutting_down.add(id(self))
+        return shutdown(self, wait)
+
+    monkeypatch.setattr(TaskBook, "send", slow_book_send)
+    monkeypatch.setattr(WorkerCrew, "send", recorded_send)
+    monkeypatch.setattr(WorkerCrew, "shutdown", recorded_shutdown)
+    loader = FastLoader(TensorDataset(n=64), batch_size=2, num_workers=2, pin_memory=True)
+    iterator = iter(loader)
+    next(iterator)
+    time.sleep(0.5)  # the helper has pinned as far ahead as it may, and waits
+    armed.set()
+    next(iterator)  # the helper pulls the next batch, and dispatches a task in its place
+    assert dispatching.wait(10)
+    iterator.close()
+    assert not pin_threads()
+    assert all(not worker.is_alive() for worker in iterator._workers)
+    ring = loader._planner.ring
+    del iterator, loader  # batches received but not delivered hold their slots till then
+    gc.collect()
+    assert late_sends == []
+    assert ring is not None and ring.occupancy[0] == 0, ring.occupancy

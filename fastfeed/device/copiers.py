@@ -60,8 +60,11 @@ class HostCopier:
     def __init__(self, device: torch.device) -> None:
         self.device = device
 
+    def producer(self) -> None:
+        """No streams here."""
+
     def copy(self, host: HostBatch, transform: Callable[[Any], Any] | None,
-             telemetry: Telemetry) -> tuple[Any, Any]:
+             telemetry: Telemetry, producer: Any = None) -> tuple[Any, Any]:
         """Copy (and transform) a batch; return it and the event that marks the end of that
         work (None: there is none)."""
         batch = _timed(telemetry, "transfer", map_tensors, lambda t: t.to(self.device),
@@ -101,13 +104,17 @@ class StreamCopier:
         self.device = device
         self.stream = stream
 
+    def producer(self) -> Any:
+        """The stream a device tensor of a batch handed over now was made on: the current
+        stream of the thread that takes the batch from the host iterator."""
+        return torch.cuda.current_stream(self.device)
+
     def copy(self, host: HostBatch, transform: Callable[[Any], Any] | None,
-             telemetry: Telemetry) -> tuple[Any, Any]:
+             telemetry: Telemetry, producer: Any = None) -> tuple[Any, Any]:
         """Copy (and transform) a batch; return it and the event that marks the end of that
-        work."""
-        # The stream a device tensor of the host batch was made on: this thread's current one
-        # (in DeviceIterator's helper thread, its default stream).
-        producer = torch.cuda.current_stream(self.device)
+        work. ``producer`` is :meth:`producer` as the batch was taken (the copy itself may run
+        on a helper thread, whose current stream is another)."""
+        producer = self.producer() if producer is None else producer
         moved: set[int] = set()
         waited = False
 

@@ -7,8 +7,14 @@ into pinned memory, and queues it; ``next()`` on the training thread takes the o
 batch. With ``num_workers=0`` the batch is pinned in ``next()``, as torch's single-process
 iterator pins it.
 
-* At most ``ahead`` pinned batches wait (torch pins the batches of the tasks in flight as they
-  arrive: ``prefetch_factor * num_workers``).
+* At most ``ahead`` pinned batches wait. torch counts the batches its pin thread holds among
+  the ``prefetch_factor * num_workers`` tasks in flight; the pool here keeps its tasks in flight
+  whatever the helper holds, so the helper pins only a couple ahead (a copy takes
+  milliseconds): what is read ahead is stock's, plus those.
+* The helper thread is set up as torch's pin thread is: one intra-op thread (the copies must
+  not take every core from the workers and the training thread) and the training thread's
+  GPU as its current device (pinned memory is allocated in that GPU's context: a rank must
+  not create a context on GPU 0).
 * The host batch, and with it the lease on its slot, is dropped once its copy is made: no slot
   returns to the ring while a copy of it runs (DESIGN.md invariant 2), and none is held by a
   batch that waits pinned. (``pin_memory`` leaves numpy arrays as they are: those keep their
@@ -17,8 +23,10 @@ iterator pins it.
   more until the consumer has taken it.
 * ``state_dict()`` is the host's snapshot as of the last batch delivered, not the last pinned.
 * The helper holds no reference to this iterator: a dropped iterator (a ``break``) stops it,
-  and it leaves after the batch it is pulling; :meth:`PinnedIterator.close` stops the host
-  iterator and joins it.
+  and it leaves after the batch it is pulling. :meth:`PinnedIterator.close` (and the device
+  stage, before persistent workers' next epoch) makes it leave at once, by interrupting the
+  host iterator's wait for its workers, and joins it: only then is the host iterator closed,
+  never while the helper still dispatches to its workers.
 """
 
 from __future__ import annotations
@@ -29,6 +37,8 @@ import time
 import weakref
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from fastfeed._torch_compat import pin_memory
 from fastfeed.device.prefetch import AheadOfConsumer, HostIterator
@@ -43,7 +53,7 @@ _JOIN_S = 5.0
 def pin_batch(batch: Any) -> Any:
     """``batch`` with every tensor copied into torch's pinned memory (only called when CUDA is
     available; the tests replace it with a stand-in)."""
-    return pin_memory(batch, "cuda")
+    return pin_memory(batch)
 
 
 @dataclass(frozen=True)
@@ -84,8 +94,11 @@ class _Queue:
             self.changed.notify_all()
 
 
-def _pin_ahead(host: HostIterator, queue: _Queue) -> None:
+def _pin_ahead(host: HostIterator, queue: _Queue, cuda_index: int | None) -> None:
     """The helper's loop: pull, pin, queue, until the epoch ends or the queue is stopped."""
+    torch.set_num_threads(1)  # this thread's count alone, as torch's pin thread sets it
+    if cuda_index is not None:
+        torch.cuda.set_device(cuda_index)
     try:
         while True:
             with queue.changed:
@@ -118,7 +131,10 @@ class PinHelper:
 
     def __init__(self, host: HostIterator, ahead: int) -> None:
         self.queue = _Queue(ahead)
-        self._thread = threading.Thread(target=_pin_ahead, args=(host, self.queue),
+        self._host = weakref.ref(host)  # to interrupt its waits; the thread holds it
+        # The training thread's GPU, where CUDA is in use (asking would initialise it).
+        cuda_index = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+        self._thread = threading.Thread(target=_pin_ahead, args=(host, self.queue, cuda_index),
                                         name="fastfeed-pin", daemon=True)
         self._thread.start()
 
@@ -126,9 +142,16 @@ class PinHelper:
         """Drop what is queued; the helper leaves after the batch it is pulling, if any."""
         self.queue.stop()
 
-    def join(self, timeout: float | None = None) -> None:
-        """Wait until the helper has left the host iterator."""
-        self._thread.join(timeout)
+    def leave(self, timeout: float | None = None) -> None:
+        """Stop the helper, interrupt its wait for the host iterator's workers, and wait until
+        it has left the host iterator (up to ``timeout`` seconds)."""
+        self.stop()
+        host = self._host()
+        if host is None:  # the helper has left already: only it held the host
+            self._thread.join(timeout)
+            return
+        with host.waits_interrupted():
+            self._thread.join(timeout)
 
 
 def _pull(host: HostIterator) -> _Item:
@@ -207,12 +230,10 @@ class PinnedIterator(AheadOfConsumer):
         return item
 
     def close(self) -> None:
-        """Stop the helper and the host iterator's workers; no thread is left behind."""
+        """Stop the helper, then the host iterator's workers; no thread is left behind."""
         if self.helper is not None:
-            self.helper.stop()
-        self._host.close()  # the helper, waiting on a worker, returns
-        if self.helper is not None:
-            self.helper.join(_JOIN_S)
+            self.helper.leave(_JOIN_S)
+        self._host.close()
 
     # What frameworks reach for on torch's iterator (Ultralytics' InfiniteDataLoader.close()).
     @property

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
 from collections.abc import Callable
@@ -30,6 +31,8 @@ class HostIterator(Protocol):
     def state_at(self, position: Any) -> Any: ...
 
     def close(self) -> None: ...
+
+    def waits_interrupted(self) -> contextlib.AbstractContextManager[None]: ...
 
     def __len__(self) -> int: ...
 
@@ -98,12 +101,21 @@ class DeviceIterator(AheadOfConsumer):
         while not self._exhausted and len(self._ready) < self._depth:
             try:
                 host = self._host.next_host_batch()
+                args = (host, self._transform, self._telemetry, self._copier.producer())
+                copied: Any = (self._copier.copy(*args) if self._helper is None
+                               else self._helper.submit(self._copier.copy, *args))
             except StopIteration:
                 self._exhausted = True
                 return
-            args = (host, self._transform, self._telemetry)
-            copied = (self._copier.copy(*args) if self._helper is None
-                      else self._helper.submit(self._copier.copy, *args))
+            except Exception as error:
+                # Raised in its batch's turn, after the batches copied before it, as the stock
+                # loader raises a worker's error; filling goes on at the next call. Without
+                # this frame in its traceback: it holds the Future that holds the error.
+                failed: Future = Future()
+                failed.set_exception(error.with_traceback(
+                    error.__traceback__.tb_next if error.__traceback__ else None))
+                self._ready.append((failed, self._host.position()))
+                return
             self._ready.append((copied, self._host.position()))
 
     def __next__(self) -> Any:
@@ -142,6 +154,9 @@ class TorchIteratorHost:
 
     def close(self) -> None:
         pass
+
+    def waits_interrupted(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
 
     def __len__(self) -> int:
         return len(self._iterator)

@@ -36,7 +36,12 @@ from fastfeed.device.resolve import resolve_device
 from fastfeed.iterators import BaseIterator
 from fastfeed.telemetry import GpuSampler, Telemetry
 
-__all__ = ["DeviceStage", "HostTerms", "StageOptions"]
+__all__ = ["PINNED_AHEAD", "DeviceStage", "HostTerms", "StageOptions"]
+
+# Batches pinned ahead of the consumer with pin_memory=True and no device: the pool's tasks in
+# flight are the read-ahead; a pinned copy takes milliseconds, so two cover a step that asks
+# for its batch early (see fastfeed.device.pinned).
+PINNED_AHEAD = 2
 
 
 @dataclass(frozen=True)
@@ -49,8 +54,7 @@ class StageOptions:
         pin_memory: the loader's ``pin_memory``.
         prefetch_depth: batches copied ahead of the consumer.
         gpu_transform: run on each batch on the device, after the copy.
-        num_workers, prefetch_factor: the loader's (batches pinned ahead: as many as torch's
-            pin thread may have pinned, ``prefetch_factor * num_workers``).
+        num_workers: the loader's (without workers, a batch is pinned in ``next()``).
         auto_collation: the loader batches samples itself (how delivered samples are counted).
     """
 
@@ -59,7 +63,6 @@ class StageOptions:
     prefetch_depth: int = 2
     gpu_transform: Callable[[Any], Any] | None = None
     num_workers: int = 0
-    prefetch_factor: int | None = None
     auto_collation: bool = True
 
 
@@ -140,15 +143,14 @@ class DeviceStage:
         (``pin_memory()`` needs CUDA)."""
         if options.device is not None or not options.pin_memory or not torch.cuda.is_available():
             return None
-        return (options.prefetch_factor or 1) * options.num_workers
+        return PINNED_AHEAD if options.num_workers else 0
 
     def release_host(self) -> None:
         """Let the host iterator go: the last pinned iterator's helper stops reading it (it
         leaves after the batch it is pulling), before persistent workers start their next
         epoch on it. Its batches pinned ahead are dropped."""
         if self._pin_helper is not None:
-            self._pin_helper.stop()
-            self._pin_helper.join()
+            self._pin_helper.leave()
             self._pin_helper = None
 
     def gpu_sampler(self) -> GpuSampler:

@@ -8,8 +8,10 @@ The order of RNG draws matters for reproducibility: the base seed is drawn from
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -261,6 +263,14 @@ class BaseIterator:
 
     def __len__(self) -> int:
         return len(self._index_sampler)
+
+    @contextlib.contextmanager
+    def waits_interrupted(self) -> Iterator[None]:
+        """Meanwhile, a wait of this iterator's for its workers, in whatever thread, raises
+        :class:`~fastfeed.iterators.liveness.WaitInterrupted` (nothing is received, so the
+        iterator's state is as before the wait): how the device stage gets its helper thread
+        out of the host iterator before closing it or starting its next epoch."""
+        yield
 
     def close(self) -> None:
         """Stop the workers now, not when the iterator is collected."""

@@ -75,6 +75,8 @@ class WorkerCrew:
         self._owner_pid = os.getpid()
         self._shutdown_lock = threading.Lock()
         self.closed = False  # shut down: a next epoch needs new workers
+        # Set while another thread gives up this crew's waits (see BaseIterator).
+        self.interrupt = threading.Event()
 
     def start(self, config: WorkerConfig) -> None:
         self.table.add(self._backend.start(config))
@@ -101,7 +103,7 @@ class WorkerCrew:
             RuntimeError: a worker died (the pool is shut down), or ``timeout`` passed.
         """
         try:
-            return next_answer(self._backend, self.table, self._timeout)
+            return next_answer(self._backend, self.table, self._timeout, self.interrupt)
         except WorkerExited:
             self.shutdown()
             raise

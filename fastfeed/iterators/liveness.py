@@ -7,16 +7,22 @@ should be running still is, and honours the loader's ``timeout``, as torch does.
 from __future__ import annotations
 
 import queue
+import threading
 import time
 
 from fastfeed.backends import WorkerBackend, WorkerExited
 from fastfeed.backends.base import FromWorker
 from fastfeed.iterators.workers import WorkerState, WorkerTable
 
-__all__ = ["next_answer", "raise_if_a_worker_died"]
+__all__ = ["WaitInterrupted", "next_answer", "raise_if_a_worker_died"]
 
 # How often a waiting main process checks that its workers are alive.
 _LIVENESS_INTERVAL = 0.1
+
+
+class WaitInterrupted(Exception):
+    """The wait for the workers was given up from another thread (see
+    :meth:`fastfeed.iterators.base.BaseIterator.waits_interrupted`)."""
 
 
 def raise_if_a_worker_died(workers: WorkerTable, wait: float = 0.0) -> None:
@@ -35,15 +41,19 @@ def raise_if_a_worker_died(workers: WorkerTable, wait: float = 0.0) -> None:
                                f"unexpectedly: {reason}")
 
 
-def next_answer(backend: WorkerBackend, workers: WorkerTable, timeout: float) -> FromWorker:
+def next_answer(backend: WorkerBackend, workers: WorkerTable, timeout: float,
+                interrupt: threading.Event | None = None) -> FromWorker:
     """The next message of ``backend``'s workers.
 
     Raises:
         WorkerExited: a worker died.
         RuntimeError: nothing came for ``timeout`` seconds (when ``timeout > 0``).
+        WaitInterrupted: ``interrupt`` was set (checked as often as liveness).
     """
     deadline = time.monotonic() + timeout if timeout > 0 else None
     while True:
+        if interrupt is not None and interrupt.is_set():
+            raise WaitInterrupted
         wait = _LIVENESS_INTERVAL
         if deadline is not None:
             wait = max(0.0, min(wait, deadline - time.monotonic()))

@@ -12,8 +12,10 @@ tensors that are views of that slot (see :mod:`fastfeed.protocol`). The task boo
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from torch.utils.data import DataLoader
@@ -256,6 +258,14 @@ class WorkerPoolIterator(BaseIterator):
             self._size_ring()
             self._setup.carry_over.workers = self._table.serving  # where the next epoch starts
             self._fill()
+
+    @contextlib.contextmanager
+    def waits_interrupted(self) -> Iterator[None]:
+        self._crew.interrupt.set()
+        try:
+            yield
+        finally:
+            self._crew.interrupt.clear()
 
     # -- shutdown ----------------------------------------------------------------------------
     def close(self) -> None:

@@ -248,6 +248,8 @@ class PixelOps:
                                       self.truncate_hsv, _FLAG_COLUMNS)
                 self.fused = True  # it builds here: from now on, any error is one
                 return batch
+            except (ValueError, torch.cuda.OutOfMemoryError):
+                raise  # a bad batch, or no memory: not the kernel's build
             except Exception as error:  # Triton's compiler and launcher raise many kinds
                 if self.fused:
                     raise

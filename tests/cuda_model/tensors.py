@@ -245,6 +245,12 @@ def _real_torch_in_child() -> None:
 os.register_at_fork(after_in_child=_real_torch_in_child)
 
 
+def _set_device(device) -> None:
+    chosen = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    if chosen != DEVICE:
+        raise RuntimeError(f"CUDA error: invalid device ordinal ({device}; the model has one)")
+
+
 def install(monkeypatch, gpu: Gpu) -> Gpu:
     """Make ``torch.cuda`` (and the tensor methods that reach it) the model, for one test; a
     process forked meanwhile gets torch's own back."""
@@ -259,6 +265,7 @@ def install(monkeypatch, gpu: Gpu) -> Gpu:
     replace(torch.cuda, "is_available", lambda: True)
     replace(torch.cuda, "device_count", lambda: 1)
     replace(torch.cuda, "current_device", lambda: 0)
+    replace(torch.cuda, "set_device", _set_device)
     replace(torch.cuda, "is_initialized", lambda: True)
     replace(torch.cuda, "Stream", gpu.new_stream)
     replace(torch.cuda, "Event", lambda *a, **k: Event(gpu))
