@@ -114,7 +114,8 @@ def run_epochs(config: str, root: Path, args: Any) -> list[dict[str, Any]]:
         elapsed = time.perf_counter() - start
         if not epoch:
             continue
-        record: dict[str, Any] = {"wait_share": sum(waits) / elapsed,
+        record: dict[str, Any] = {"images_per_s": len(waits) * args.batch_size / elapsed,
+                                  "wait_share": sum(waits) / elapsed,
                                   "worst_wait_ms": 1e3 * max(waits),
                                   "first_wait_ms": 1e3 * waits[0], "batches": len(waits)}
         if hasattr(loader, "stats"):

@@ -12,7 +12,8 @@
 #   yolo_ops    benchmarks/ultralytics_pipeline.py --ops-device cuda: augment_device's pixel ops
 #   yolo_train  benchmarks/yolo_train_stall.py: yolov8n, stock / patch() / augment_device, 256 images
 #   yolo_long   the same with 1,600 images (100 batches an epoch), one repeat
-#   fixed_step  benchmarks/fixed_step.py, where it exists
+#   pixels      benchmarks/gpu_decode_pixels.py: the GPU decode route's pixels against stock's
+#   fixed_step  benchmarks/fixed_step.py: a fixed-step loop over Ultralytics' loader, real pinning
 # Also by name: dali (tests/test_dali.py, needs DALI), overhead, images, doctor.
 # Name stages to run only those: bash benchmarks/gpu_suite.sh tests suite
 #
@@ -36,7 +37,7 @@ out="${OUT:-benchmarks/out/gpu_suite}"
 logs="${GPU_SUITE_LOGS:-/tmp/fastfeed-gpu-suite}"
 cores=$(nproc)
 if [ -n "$plumbing" ]; then device=cpu; yolo_device=cpu; else device=cuda; yolo_device=0; fi
-stages=("${@:-tests pinned train suite yolo_ops yolo_train yolo_long fixed_step}")
+stages=("${@:-tests pinned train pixels suite yolo_ops yolo_train yolo_long fixed_step}")
 stages=(${stages[*]})
 rm -rf "$logs" && mkdir -p "$logs" "$out"
 : >"$logs/stages.tsv"
@@ -138,11 +139,15 @@ has_ultralytics() {  # else says which module is missing: a wheel to carry in .w
 pytest_args=(-p no:cacheprovider -rf)
 has pytest_timeout && pytest_args+=(--timeout 120)
 if [ -n "$plumbing" ]; then
-    train_size=(--images 64 --warmup 1 --steps 3)
+    train_size=(--model tiny --images 64 --warmup 1 --steps 3)
     yolo_size=(--images 16 --repeats 1)
+    step_size=(--batches 4 --batch-size 2 --workers 2 --step-ms 20 --repeats 1 --epochs 1)
 else
     train_size=(--images 2048 --warmup 8 --steps 30)
     yolo_size=(--images 256 --repeats 3)
+    # yolo_train's loop (batch 16, 8 workers, a 56 ms step as yolov8n's on the H100), real
+    # pinned copies: what the training thread waits for, without the trainer
+    step_size=(--batches 16 --batch-size 16 --workers 8 --step-ms 56 --repeats 3 --epochs 1)
 fi
 
 for stage in "${stages[@]}"; do
@@ -210,10 +215,17 @@ PY
                         --repeats 1 --json "$logs/yolo_long.json"
                 fi
             fi ;;
+        pixels)
+            needs pixels benchmarks/gpu_decode_pixels.py --device \
+                && stage gpu_decode_pixels 45 python3 benchmarks/gpu_decode_pixels.py \
+                    --device "$device" --images 64 --seeds 2 ;;
         fixed_step)
-            needs fixed_step benchmarks/fixed_step.py --json \
-                && stage fixed_step 60 python3 benchmarks/fixed_step.py --device "$device" \
-                    --json "$logs/fixed_step.json" ;;
+            if ! has_ultralytics; then
+                note "fixed_step: skipped: $ultralytics_missing (carry Ultralytics' wheels)"
+            elif needs fixed_step benchmarks/fixed_step.py --step-ms --json; then
+                stage fixed_step 60 python3 benchmarks/fixed_step.py "${step_size[@]}" \
+                    --json "$logs/fixed_step.json"
+            fi ;;
         dali)
             if has nvidia.dali; then
                 stage dali 120 python3 -m pytest -v "${pytest_args[@]}" tests/test_dali.py
@@ -229,8 +241,8 @@ PY
                     --json "$logs/doctor_resnet50.json" --out "$logs/doctor_resnet50" \
                     tests/doctor_scripts/train_classifier.py --arch resnet50 --device "$device" \
                     --generate 4096 --batch-size 64 --workers 8 --epochs 1 ;;
-        *) note "unknown stage $stage (tests pinned train suite yolo_ops yolo_train yolo_long" \
-               "fixed_step dali overhead images doctor)"
+        *) note "unknown stage $stage (tests pinned train pixels suite yolo_ops yolo_train" \
+               "yolo_long fixed_step dali overhead images doctor)"
            status=2 ;;
     esac
 done
