@@ -63,10 +63,20 @@ class StandInPin:
 
 @pytest.fixture
 def pin(monkeypatch):
-    """CUDA "available", and the stand-in in place of torch's pinned copy."""
+    """CUDA "available", and the stand-in in place of torch's pinned copy: fastfeed's, and the
+    stock loader's (its own, pause-free), which would otherwise pin for real on a CUDA build of
+    torch and find no driver, or pin nothing on a CPU build."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     stand_in = StandInPin(pause=0.004)
     monkeypatch.setattr(fastfeed.device.pinned, "pin_batch", stand_in)
+    stock_pin = StandInPin(pause=0)
+    monkeypatch.setattr(torch.utils.data._utils.pin_memory, "pin_memory",
+                        lambda data, device=None: stock_pin(data))
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator",
+                        lambda *args: torch.device("cuda"))
+    monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 0)
+    monkeypatch.setattr(torch.accelerator, "set_device_index", lambda index: None)
     return stand_in
 
 
