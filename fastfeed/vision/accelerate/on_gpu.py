@@ -103,7 +103,7 @@ class CropsForGpu:
         geometry = crop_geometry((window.x, window.y, window.w, window.h),
                                  (window.width, window.height), window.bounds, window.flipped,
                                  window.mode)
-        return EncodedCrop(geometry, data=encoded_array(encoded.data))
+        return EncodedCrop(geometry, data=encoded_array(encoded.data), path=encoded.path)
 
 
 class GpuDecodeTransform(FusedTransform):
