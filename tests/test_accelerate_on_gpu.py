@@ -230,6 +230,27 @@ def test_torchvisions_deprecation_of_decode_jpeg_is_silenced_for_the_decode(requ
     assert [str(w.message) for w in caught] == ["another"]
 
 
+def test_files_nvjpeg_refuses_are_decoded_on_the_host(tmp_path, gpu, decoder):
+    """One file nvJPEG refuses (torchvision fails the whole call): the batch is still
+    stock's. One nothing decodes (no quantisation table: its header passes the workers'
+    checks): the error names it."""
+    rng = random.Random(1)
+    for i in range(4):
+        save_jpeg(tmp_path / "a" / f"{i}.JPEG", make_image(rng, 120, 90))
+    decoder.refused.add((tmp_path / "a" / "2.JPEG").read_bytes())
+    transform = PIPELINES["v1-eval"]()
+    stock = datasets.ImageFolder(str(tmp_path), transform=transform)
+    got = read(gpu, list(FastLoader(on_gpu(stock), batch_size=4, device="cuda")))
+    assert_close_to_stock(list(DataLoader(stock, batch_size=4)), got, transform)
+    data = (tmp_path / "a" / "1.JPEG").read_bytes()
+    at = data.index(b"\xff\xdb")
+    (tmp_path / "a" / "1.JPEG").write_bytes(
+        data[:at] + data[at + 2 + int.from_bytes(data[at + 2:at + 4], "big"):])
+    stock = datasets.ImageFolder(str(tmp_path), transform=transform)
+    with pytest.raises(OSError, match=r"1\.JPEG"):
+        list(FastLoader(on_gpu(stock), batch_size=4, num_workers=2, device="cuda"))
+
+
 @pytest.mark.parametrize(("name", "named"), [
     ("v1-jitter", "PIL image"), ("v1-erasing", "RandomErasing"),
     ("reference-train", "RandomErasing"), ("v1-pil-output", "PIL image"),

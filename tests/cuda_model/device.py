@@ -286,6 +286,11 @@ class Gpu:
                 still.append((block, marks))
         self._pending = still
 
+    @property
+    def reserved(self) -> int:
+        """The bytes the allocator holds, in use or cached: the most it ever needed at once."""
+        return self._top
+
     def allocate(self, nbytes: int, stream: Stream) -> Block:
         with self.lock:
             return self._allocate(nbytes, stream)
