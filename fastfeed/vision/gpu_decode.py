@@ -71,6 +71,7 @@ logger = logging.getLogger(__name__)
 _NVJPEG_FRAMES = (0xC0, 0xC1, 0xC2)
 # Markers without a length field: TEM, the restart markers, SOI and EOI.
 _STANDALONE = {0x01, *range(0xD0, 0xDA)}
+_FRAMES = set(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}  # the start-of-frame markers
 _APP0, _APP14, _SOS = 0xE0, 0xEE, 0xDA
 # The luma sampling factors (H, V) of 4:4:4, 4:2:2, 4:2:0 and 4:4:0, with chroma at 1x1.
 _NVJPEG_SAMPLING = {(1, 1), (2, 1), (2, 2), (1, 2)}
@@ -100,12 +101,12 @@ def _header(data: bytes) -> _Header:
         if marker == _SOS:
             break
         end = i + 2 + int.from_bytes(data[i + 2 : i + 4], "big")
-        body = data[i + 4 : end]
+        body = data[i + 4 : end] if marker in _FRAMES or marker in (_APP0, _APP14) else b""
         if marker == _APP0 and body.startswith(b"JFIF\0"):
             header.jfif = True
         elif marker == _APP14 and body.startswith(b"Adobe") and len(body) >= 12:
             header.adobe_transform = body[11]
-        elif 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC) and len(body) >= 6:
+        elif marker in _FRAMES and len(body) >= 6:
             header.frame, header.precision = marker, body[0]
             header.components = tuple((body[j], body[j + 1] >> 4, body[j + 1] & 15)
                                       for j in range(6, min(len(body) - 1, 6 + 3 * body[5]), 3))
@@ -306,12 +307,16 @@ class DecodeCrops:
         files = [torch.from_numpy(data) for data in encoded]
         try:
             return self.decoder(files, device)
+        except torch.OutOfMemoryError:
+            raise  # not the files': decoding them one by one, or on the host, would hide it
         except RuntimeError:
             pass  # one of them, at least: each alone
         images, refused = [], []
         for file, path in zip(files, paths, strict=True):
             try:
                 images.append(self.decoder([file], device)[0])
+            except torch.OutOfMemoryError:
+                raise
             except RuntimeError as error:
                 image = _decoded_on_host(file.numpy(), path, error)
                 refused.append(f"{path} ({error})")
@@ -320,7 +325,8 @@ class DecodeCrops:
                               if device.type == "cuda" else image)
         if refused:
             logger.warning("the GPU's JPEG decoder refused %d file(s) of a batch, decoded on "
-                           "the host instead: %s", len(refused), "; ".join(refused))
+                           "the host instead: %s%s", len(refused), "; ".join(refused[:5]),
+                           f"; and {len(refused) - 5} more" if len(refused) > 5 else "")
         return images
 
     def images(self, crops: dict[str, Any]) -> torch.Tensor:
