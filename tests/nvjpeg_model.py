@@ -16,6 +16,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from fastfeed.vision import gpu_decode
+
 
 class ImageReadMode(enum.Enum):
     UNCHANGED, GRAY, RGB = 0, 1, 3
@@ -40,7 +42,9 @@ class TorchvisionDecoder:
     def __init__(self, gpu):
         self.gpu = gpu
         self.private = None  # the decoder's stream, from torch's pool at first use
+        self.refused = set()  # the files (bytes) nvJPEG refuses, as it refuses a corrupt one
         self.read_in_slot = []  # per encoded file: read where the worker left it
+        self.streams = []  # per call: the caller's current stream (the outputs' allocator's)
         self.calls = 0
 
     def __call__(self, data, device=None, mode=ImageReadMode.UNCHANGED):
@@ -48,6 +52,7 @@ class TorchvisionDecoder:
             return decode_with_pillow(data, mode=mode)
         self.calls += 1
         gpu = self.gpu
+        self.streams.append(torch.cuda.current_stream())
         if self.private is None:
             self.private = cuda_model.Stream(gpu, "nvjpeg")
         for item in data:
@@ -55,7 +60,12 @@ class TorchvisionDecoder:
                 raise RuntimeError("Error while decoding JPEG images: Failed to get image info")
             self.read_in_slot.append(any(start <= item.data_ptr() < start + n
                                          for start, n in gpu.registered.items()))
-        pixels = decode_with_pillow(data, mode=ImageReadMode.RGB)
+        try:  # one file it cannot decode fails the call
+            if any(item.numpy().tobytes() in self.refused for item in data):
+                raise ValueError("refused")
+            pixels = decode_with_pillow(data, mode=ImageReadMode.RGB)
+        except Exception as error:
+            raise RuntimeError(f"Error while decoding JPEG images: {error}") from None
         grey = [Image.open(io.BytesIO(np.asarray(d).tobytes())).mode == "L" for d in data]
         outputs = [torch.empty(p.shape, dtype=torch.uint8, device=device) for p in pixels]
         self.private.synchronize()
@@ -75,6 +85,7 @@ def install(monkeypatch, gpu) -> TorchvisionDecoder:
     """Make ``torchvision.io.decode_jpeg`` the modelled decoder (a stand-in torchvision module
     where torchvision is not installed)."""
     decoder = TorchvisionDecoder(gpu)
+    monkeypatch.setattr(gpu_decode, "_decode_streams", {})  # a new process's
     try:
         import torchvision.io
     except Exception:  # missing, or built for another torch

@@ -6,6 +6,7 @@ the pixels is the batched resize against Pillow's, not nvJPEG's own decode (meas
 by ``benchmarks/gpu_decode_pixels.py --device cuda``). The random draws are exact.
 """
 
+import io
 import random
 import warnings
 
@@ -144,6 +145,24 @@ def test_workers_side_by_side_and_no_wait_on_the_training_thread(name, root, gpu
     assert_close_to_stock(list(expected), read(gpu, second), transform)
 
 
+def test_every_epoch_decodes_on_the_one_decode_stream(root, gpu, decoder):
+    """Each epoch of non-persistent workers makes its own decode stage. Between two, the user
+    (or FSDP, NCCL) takes 30 of torch's 32 pool streams: a decode stream from the pool would
+    now be the loader's copy stream, and the decoder's outputs the blocks its last resize
+    freed there, kernels still queued. The batches stay stock's, all on one decode stream."""
+    transform = PIPELINES["v1-train"]()
+    stock = datasets.ImageFolder(str(root), transform=transform)
+    kwargs = {"batch_size": 5, "shuffle": True, "num_workers": 2}
+    expected = DataLoader(stock, generator=torch.Generator().manual_seed(3), **kwargs)
+    loader = FastLoader(on_gpu(stock), generator=torch.Generator().manual_seed(3),
+                        device="cuda", **kwargs)
+    assert_close_to_stock(list(expected), read(gpu, list(loader)), transform)
+    taken = [torch.cuda.Stream() for _ in range(cuda_model.POOL_SIZE - 2)]
+    assert_close_to_stock(list(expected), read(gpu, list(loader)), transform)
+    assert set(decoder.streams) == set(gpu.runtime.created) and len(gpu.runtime.created) == 1
+    assert not set(taken) & set(decoder.streams)
+
+
 class Identity:
     """A user's gpu_transform that does nothing to the batch."""
 
@@ -184,6 +203,51 @@ def test_what_nvjpeg_cannot_take_is_decoded_by_the_workers(tmp_path, gpu, decode
     (tmp_path / "a" / "4.JPEG").write_bytes(data[: len(data) // 2])
     stock = datasets.ImageFolder(str(tmp_path), transform=transform)
     with pytest.raises(OSError, match=r"4\.JPEG"):  # truncated: refused, as Pillow does
+        list(FastLoader(on_gpu(stock), batch_size=4, num_workers=2, device="cuda"))
+
+
+def test_torchvisions_deprecation_of_decode_jpeg_is_silenced_for_the_decode(request):
+    """torchvision 0.29 deprecates its decoders and warns at every call: the decode, once a
+    batch, silences that warning, and no other, for the process."""
+    from fastfeed.vision import gpu_decode
+
+    quiet = gpu_decode._quiet_torchvision_deprecation
+    quiet.cache_clear()  # pytest resets the filters after each test: as a new process
+    request.addfinalizer(quiet.cache_clear)
+    file = io.BytesIO()
+    make_image(random.Random(0), 40, 30).save(file, "JPEG")
+    data = torch.frombuffer(bytearray(file.getvalue()), dtype=torch.uint8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torchvision.io.decode_jpeg(data)
+        assert [w.category for w in caught if "TorchCodec" in str(w.message)] == \
+            [DeprecationWarning], "torchvision warns"
+        caught.clear()
+        for _ in range(3):
+            gpu_decode.NvjpegDecoder()([data], torch.device("cpu"))
+        warnings.warn_explicit("another", DeprecationWarning, "image.py", 1,
+                               module="torchvision.io.image")
+    assert [str(w.message) for w in caught] == ["another"]
+
+
+def test_files_nvjpeg_refuses_are_decoded_on_the_host(tmp_path, gpu, decoder):
+    """One file nvJPEG refuses (torchvision fails the whole call): the batch is still
+    stock's. One nothing decodes (no quantisation table: its header passes the workers'
+    checks): the error names it."""
+    rng = random.Random(1)
+    for i in range(4):
+        save_jpeg(tmp_path / "a" / f"{i}.JPEG", make_image(rng, 120, 90))
+    decoder.refused.add((tmp_path / "a" / "2.JPEG").read_bytes())
+    transform = PIPELINES["v1-eval"]()
+    stock = datasets.ImageFolder(str(tmp_path), transform=transform)
+    got = read(gpu, list(FastLoader(on_gpu(stock), batch_size=4, device="cuda")))
+    assert_close_to_stock(list(DataLoader(stock, batch_size=4)), got, transform)
+    data = (tmp_path / "a" / "1.JPEG").read_bytes()
+    at = data.index(b"\xff\xdb")
+    (tmp_path / "a" / "1.JPEG").write_bytes(
+        data[:at] + data[at + 2 + int.from_bytes(data[at + 2:at + 4], "big"):])
+    stock = datasets.ImageFolder(str(tmp_path), transform=transform)
+    with pytest.raises(OSError, match=r"1\.JPEG"):
         list(FastLoader(on_gpu(stock), batch_size=4, num_workers=2, device="cuda"))
 
 

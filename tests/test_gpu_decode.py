@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from fastfeed.vision import resample
 from fastfeed.vision.gpu_decode import DecodeCrops, EncodedCrop, collate_crops, encoded_collate
 from fastfeed.vision.resample import UINT8, PixelAffine, crop_geometry, resize_crops
 
@@ -107,18 +108,56 @@ class KernelCount(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def two_sizes(batch, seed=0):
+    """Small and large crops, alternating (two groups, neither a run of the batch), bicubic
+    (clamped: the most kernels a group takes)."""
+    g = torch.Generator().manual_seed(seed)
+    images, rows = [], []
+    for i in range(batch):
+        h, w = (90, 100) if i % 2 else (20, 24)
+        images.append(torch.randint(0, 256, (3, h, w), dtype=torch.uint8, generator=g))
+        rows.append(crop_geometry((1, 1, w - 3 - i % 3, h - 2 - i % 2), (8, 6), flip=i % 3 == 0,
+                                  mode="bicubic"))
+    return images, np.stack(rows)
+
+
+def many_sizes(batch):
+    """Crops from 8 to 27,000 pixels wide, bilinear and bicubic: more classes of width and
+    filter length than a batch is split into."""
+    g = torch.Generator().manual_seed(batch)
+    images, rows = [], []
+    for i in range(batch):
+        w, h = round(8 * 1.3 ** (i % 32)), 4 + 9 * (i % 7)
+        images.append(torch.randint(0, 256, (3, h, w), dtype=torch.uint8, generator=g))
+        rows.append(crop_geometry((0, 0, w, h), (8, 6), flip=i % 2,
+                                  mode="bicubic" if i % 3 else "bilinear"))
+    return images, np.stack(rows)
+
+
+def kernels(images, geometry, affine=UINT8):
+    with KernelCount() as count:
+        resize_crops(images, geometry, affine)
+    return count.ops
+
+
 @pytest.mark.parametrize("affine", [UINT8, PixelAffine(torch.float32, (0.5,) * 3, (1.0,) * 3)])
 def test_the_kernels_of_a_batch_do_not_grow_with_its_size(affine):
-    counts = {}
-    for batch in (2, 8):
-        images = random_images(batch, seed=batch)
-        geometry = np.stack([crop_geometry((1, 1, 12 + i, 10 + i), (8, 6), flip=i % 2)
-                             for i in range(batch)])
-        with KernelCount() as count:
-            resize_crops(images, geometry, affine)
-        counts[batch] = count.ops
-    assert counts[2] == counts[8], counts
-    assert sum(counts[8].values()) <= 17, counts[8]
+    # A few kernels per group of crops of similar width and filter length, not per crop.
+    one_group = [random_images(batch, seed=batch, smallest=24) for batch in (2, 8)]
+    counts = [kernels(images, np.stack([crop_geometry((1 + i, 1, 20, 15), (8, 6), flip=i % 2)
+                                        for i in range(len(images))]), affine)
+              for images in one_group]
+    assert counts[0] == counts[1], counts
+    assert sum(counts[1].values()) <= 17, counts[1]
+    two_groups = [kernels(*two_sizes(batch), affine) for batch in (4, 16)]
+    assert two_groups[0] == two_groups[1], two_groups
+    # However many classes of crops, at most _MAX_GROUPS groups: a bound whatever the batch.
+    bound = resample._MAX_GROUPS * sum(two_groups[0].values()) / 2
+    for batch in (32, 64):
+        images, geometry = many_sizes(batch)
+        assert len(resample._batch_tables(geometry, np.array([i.shape[1:] for i in images]))[0]
+                   ) == resample._MAX_GROUPS
+        assert sum(kernels(images, geometry, affine).values()) <= bound
 
 
 @pytest.fixture
@@ -141,6 +180,31 @@ def test_the_resize_waits_for_nothing_and_keeps_to_its_stream(gpu):
     assert len(side.queue) >= 10
     gpu.run()
     assert torch.equal(gpu.read(got), resize_crops(images, geometry))
+
+
+def reserved_by_resize(monkeypatch, images, geometry):
+    """The device memory a batch's resize takes: cached blocks are reused per stream as
+    torch's allocator does, and the kernels are queued, never run."""
+    gpu = cuda_model.install(monkeypatch, cuda_model.Gpu(256 << 20))
+    on_device = [image.pin_memory().to("cuda", non_blocking=True) for image in images]
+    before = gpu.reserved
+    resize_crops(on_device, geometry, PixelAffine(torch.float32))
+    return gpu.reserved - before
+
+
+def test_a_large_crop_does_not_pad_the_others(monkeypatch):
+    # One table for the batch would pad every crop to the widest one's width and the longest
+    # filter (one 4288-pixel photo among ImageNet's: 5-6 GiB for 256 crops that need 0.65):
+    # a batch takes no more than its small crops and its large one each take alone.
+    small = random_images(16, seed=4, smallest=40)
+    large = torch.randint(0, 256, (3, 600, 800), dtype=torch.uint8)
+    crops = [crop_geometry((2 + i, 3, 30, 31), (16, 16), flip=i % 2) for i in range(16)]
+    whole = crop_geometry((0, 0, 800, 600), (16, 16))
+    alone = (reserved_by_resize(monkeypatch, small, np.stack(crops))
+             + reserved_by_resize(monkeypatch, [large], whole[None]))
+    mixed = reserved_by_resize(monkeypatch, [*small[:9], large, *small[9:]],
+                               np.stack([*crops[:9], whole, *crops[9:]]))
+    assert mixed <= alone, (mixed, alone)
 
 
 def test_collated_crops_keep_their_order(gpu, monkeypatch):

@@ -14,14 +14,14 @@ import torch
 from nvjpeg_model import decode_with_pillow
 from PIL import Image
 
-from fastfeed import FastLoader
+from fastfeed import FastLoader, pinning
 from fastfeed import transforms as T
 from fastfeed.tree import map_tensors
-from fastfeed.vision import ImageFolder, image_loader
+from fastfeed.vision import DecodeError, ImageFolder, image_loader
 from fastfeed.vision.gpu_decode import (
     DecodeCrops,
-    NvjpegDecoder,
     collate_crops,
+    decode_stream,
     encoded_collate,
     gpu_decodable,
 )
@@ -113,6 +113,73 @@ def test_on_error_skip_drops_a_file_nothing_can_decode(tmp_path, gpu, decoder):
     assert tuple(images.shape) == (3, 3, 16, 16)
 
 
+def segments(data):
+    """A JPEG's marker segments before its first scan, ``[(marker, bytes)]``, and the rest."""
+    at, found = 2, []
+    while data[at + 1] != 0xDA:
+        end = at + 2 + int.from_bytes(data[at + 2:at + 4], "big")
+        found.append((data[at + 1], data[at:end]))
+        at = end
+    return found, data[at:]
+
+
+def rebuilt(data, drop=(), add=b""):
+    """``data`` without the segments of the markers in ``drop``, with ``add`` first."""
+    found, rest = segments(data)
+    return b"\xff\xd8" + add + b"".join(s for m, s in found if m not in drop) + rest
+
+
+def with_sampling(data, luma):
+    """``data`` with its frame header's luma sampling factors byte set to ``luma``."""
+    at = data.index(b"\xff\xc0")
+    return data[:at + 11] + bytes([luma]) + data[at + 12:]
+
+
+def test_unusual_jpegs_are_left_to_the_workers():
+    # nvJPEG's sampling: 4:4:4, 4:2:2, 4:2:0, 4:4:0 and greyscale (torchvision refuses what
+    # nvJPEG calls unknown, for the whole batch); libjpeg's RGB JPEGs (no JFIF marker, and an
+    # Adobe marker with transform 0, or none and the component ids R, G, B): the CPU's.
+    rgb = jpeg_bytes()  # Pillow's: JFIF, 4:2:0, component ids 1, 2, 3
+    assert gpu_decodable(rgb) and gpu_decodable(with_sampling(rgb, 0x12))  # 4:4:0
+    assert not gpu_decodable(with_sampling(rgb, 0x41))  # 4:1:1
+    assert not gpu_decodable(with_sampling(rgb, 0x13))
+    adobe = b"\xff\xee\x00\x0eAdobe\x00\x64\x00\x00\x00\x00"
+    assert not gpu_decodable(rebuilt(rgb, drop=[0xE0], add=adobe + b"\x00"))
+    assert gpu_decodable(rebuilt(rgb, drop=[0xE0], add=adobe + b"\x01"))  # YCbCr
+    frame = rgb.index(b"\xff\xc0")
+    ids = bytearray(rgb)
+    ids[frame + 10:frame + 19:3] = b"RGB"
+    assert gpu_decodable(bytes(ids))  # JFIF says YCbCr
+    assert not gpu_decodable(rebuilt(bytes(ids), drop=[0xE0]))
+    assert gpu_decodable(rebuilt(rgb, drop=[0xE0]))
+
+
+def test_a_file_nvjpeg_refuses_is_decoded_on_the_host(tmp_path, gpu, decoder, caplog):
+    # torchvision fails the whole call for one file nvJPEG refuses: the batch is decoded file by
+    # file, and the refused file on the host, in its place.
+    for i in range(6):
+        save(tmp_path / "a" / f"{i}.JPEG", noise("RGB", i))
+    decoder.refused.add((tmp_path / "a" / "1.JPEG").read_bytes())
+    folder = EncodedImageFolder(tmp_path, 24, train=False)
+    got = list(loader_for(folder, 3))
+    check_batches(gpu, folder, got, 3)
+    assert decoder.calls == 1 + 3 + 1
+    assert "1.JPEG" in caplog.text and "decoded on the host" in caplog.text
+
+
+def test_a_file_nothing_decodes_fails_its_batch_naming_it(tmp_path, gpu, decoder):
+    # Its header passes the workers' checks (on_error has nothing to skip); neither nvJPEG nor
+    # the CPU decodes it (no quantisation table): the error names it, even with skip.
+    for i in range(4):
+        save(tmp_path / "a" / f"{i}.JPEG", noise("RGB", i))
+    victim = tmp_path / "a" / "2.JPEG"
+    victim.write_bytes(rebuilt(victim.read_bytes(), drop=[0xDB]))
+    assert gpu_decodable(victim.read_bytes())
+    folder = EncodedImageFolder(tmp_path, 24, train=False, on_error="skip")
+    with pytest.raises(DecodeError, match=r"2\.JPEG.*on_error does not apply"):
+        list(loader_for(folder, 4))
+
+
 def test_the_decode_waits_on_the_host_only_off_the_training_thread(tmp_path, gpu, decoder):
     # torchvision synchronises its stream twice a batch: that must not stop the training
     # thread, which queues the model's work meanwhile. The encoded files are read where the
@@ -190,12 +257,79 @@ def test_flips_and_boxes_are_the_workers_draws(tmp_path):
     assert 0 < flips < 8
 
 
-def test_the_decoder_pickles_without_its_stream(gpu, decoder):
-    decode = NvjpegDecoder()
-    decode([torch.frombuffer(bytearray(jpeg_bytes()), dtype=torch.uint8)],
-           torch.device("cuda", 0))
-    assert decode._decode_stream is not None
-    assert pickle.loads(pickle.dumps(decode))._decode_stream is None
+def test_the_decode_stream_is_never_one_of_torchs_pool(tmp_path, gpu, decoder):
+    # torch.cuda.Stream() hands out torch's 32 pool streams round-robin. Here the user (or
+    # FSDP, NCCL) took the other 31 after the loader's copy stream: a decode stream from the
+    # pool would be the copy stream, and the decoder's outputs would take the blocks the last
+    # batch's resize freed there while its kernels, still queued, read them.
+    folder = EncodedImageFolder(make_imagefolder(tmp_path, images=8, classes=2), 24,
+                                train=False)
+    batches = [encoded_collate([folder[i] for i in range(start, start + 4)])
+               for start in (0, 4)]
+    copy = torch.cuda.Stream()
+    taken = [torch.cuda.Stream() for _ in range(cuda_model.POOL_SIZE - 1)]
+    decode, got = DecodeCrops(), []
+    with torch.cuda.stream(copy):
+        for batch in batches:
+            got.append(decode(map_tensors(to_device, batch))[0])
+    gpu.run()
+    for start, images in zip((0, 4), got, strict=True):
+        assert torch.equal(gpu.read(images), cpu_reference(folder, range(start, start + 4)))
+    assert copy not in decoder.streams and not set(taken) & set(decoder.streams)
+
+
+def test_one_decode_stream_per_process_whatever_the_epochs(tmp_path, gpu, decoder):
+    # accelerate's route makes a new DecodeCrops each epoch (and there may be several
+    # loaders): they share one stream, made once (no CUDA stream per epoch), and a new
+    # decoder pickles without it.
+    folder = EncodedImageFolder(make_imagefolder(tmp_path, images=4, classes=2), 16,
+                                train=False)
+    batch = encoded_collate([folder[i] for i in range(4)])
+    for _ in range(3):
+        decode = pickle.loads(pickle.dumps(DecodeCrops()))
+        decode(map_tensors(to_device, batch))
+    assert len(gpu.runtime.created) == 1
+    assert decoder.streams == 3 * gpu.runtime.created
+
+
+class MappedRuntime:
+    """A CUDA runtime library as ctypes maps it: its current device, the streams it made."""
+
+    def __init__(self, refuse=False):
+        self.device, self.made, self.read_back, self.refuse = 0, [], 0, refuse
+        self.cudaGetErrorString = lambda error: b"out of memory"
+
+    def cudaGetDevice(self, device):
+        device._obj.value = self.device
+        return 0
+
+    def cudaSetDevice(self, index):
+        self.device = index
+        return 0
+
+    def cudaStreamCreateWithFlags(self, stream, flags):
+        if self.refuse:
+            return 2
+        self.made.append((self.device, flags))
+        stream._obj.value = 0x5000 + len(self.made)
+        return 0
+
+    def cudaGetLastError(self):
+        self.read_back += 1
+
+
+def test_the_decode_stream_is_made_non_blocking_on_its_device(monkeypatch):
+    # torch binds cudaStreamCreate only, whose stream would wait for the default stream: a
+    # mapped runtime makes it, on the device asked for, its own current device restored.
+    runtime = MappedRuntime()
+    monkeypatch.setattr(pinning, "_mapped_runtimes", lambda: [runtime])
+    assert pinning.TorchCudaRuntime(cudart=object()).stream_create(1) == 0x5001
+    assert runtime.made == [(1, 0x1)] and runtime.device == 0  # cudaStreamNonBlocking
+    refusing = MappedRuntime(refuse=True)
+    monkeypatch.setattr(pinning, "_mapped_runtimes", lambda: [refusing])
+    with pytest.raises(RuntimeError, match="out of memory"):
+        pinning.TorchCudaRuntime(cudart=object()).stream_create(1)
+    assert refusing.read_back == 1 and refusing.device == 0
 
 
 def jpeg_bytes():
@@ -205,6 +339,19 @@ def jpeg_bytes():
 
 
 # -- on a GPU ---------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_decode_stream_is_none_of_torchs():
+    stream = decode_stream(torch.device("cuda", 0))
+    assert decode_stream(torch.device("cuda")) is stream
+    torchs = {torch.cuda.Stream().cuda_stream for _ in range(64)}
+    torchs |= {torch.cuda.Stream(priority=-1).cuda_stream for _ in range(64)}
+    assert stream.cuda_stream not in torchs | {torch.cuda.default_stream().cuda_stream}
+    with torch.cuda.stream(stream):  # a working stream of the device
+        ones = torch.ones(4, device="cuda")
+    stream.synchronize()
+    assert ones.sum().item() == 4
+
 
 @pytest.mark.gpu
 def test_gpu_decode_matches_the_cpu_and_waits_for_nothing(tmp_path):

@@ -9,7 +9,9 @@ bytes as numpy arrays, which device prefetch leaves on the host; the geometry as
 host numbers). On the copy stream, :class:`DecodeCrops` decodes the batch's files with one call
 to the decoder (:class:`NvjpegDecoder`: ``torchvision.io.decode_jpeg(device="cuda")``, nvJPEG,
 with A100's and H100's hardware JPEG engine for the baseline files it accepts), then resizes the
-whole batch with :func:`fastfeed.vision.resample.resize_crops`: a dozen kernels a batch.
+whole batch with :func:`fastfeed.vision.resample.resize_crops`: a few kernels per group of
+similar crops, however many images. A file the decoder still refuses (torchvision fails the
+whole call) is decoded on the host, in the helper thread, and joins its batch there.
 
 Three rules keep the decode from stalling the training thread or racing the copy stream:
 
@@ -22,8 +24,10 @@ Three rules keep the decode from stalling the training thread or racing the copy
   on a private stream that waits for nothing, then makes the caller wait for it. On the copy
   stream, that could hand the decoder a block the caching allocator just freed there, while
   kernels queued on the copy stream still read it. So the decode runs with a stream of our
-  own as the current one, on which no kernel ever runs: its blocks are freed only once the
-  copy stream's recorded uses complete (``record_stream``), and the copy stream waits for it
+  own as the current one (:func:`decode_stream`: one per process and device, made by the CUDA
+  runtime, as none of torch's pooled streams could be trusted not to be the copy stream or
+  the user's), on which no kernel ever runs: its blocks are freed only once the copy
+  stream's recorded uses complete (``record_stream``), and the copy stream waits for it
   before touching the images. Outputs are asked for in RGB: in its ``UNCHANGED`` mode the
   decoder clones a greyscale image on the current stream, a kernel there, and frees the
   original with no use recorded. Every other buffer is allocated and written on the copy
@@ -32,54 +36,112 @@ Three rules keep the decode from stalling the training thread or racing the copy
 - torchvision's decoder waits on the host for its private stream (twice a batch at least), so
   :class:`DecodeCrops` says it ``blocks_host``: FastLoader then runs it, with the copy, in a
   helper thread, and the training thread goes on queueing its own work.
+
+torchvision 0.29 deprecates ``decode_jpeg`` (TorchCodec replaces it) and warns at each call:
+that one warning is silenced for the process, from the first decode (so a call of the user's
+in the same process does not show it either). Moving to TorchCodec, behind
+:class:`JpegDecoder`, is a known follow-up.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
+import os
+import re
+import threading
+import warnings
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 import torch
 
+from fastfeed import pinning
 from fastfeed._torch_compat import default_collate
+from fastfeed.vision.decode import DecodeError, decode_resized_crop, image_size
 from fastfeed.vision.resample import FIELDS, UINT8, PixelAffine, resize_crops
 
 __all__ = ["DecodeCrops", "EncodedCrop", "JpegDecoder", "NvjpegDecoder", "collate_crops",
-           "encoded_collate", "gpu_decodable"]
+           "decode_stream", "encoded_collate", "gpu_decodable"]
+
+logger = logging.getLogger(__name__)
 
 # Start-of-frame markers nvJPEG decodes: baseline, extended and progressive Huffman.
 _NVJPEG_FRAMES = (0xC0, 0xC1, 0xC2)
 # Markers without a length field: TEM, the restart markers, SOI and EOI.
 _STANDALONE = {0x01, *range(0xD0, 0xDA)}
+_FRAMES = set(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}  # the start-of-frame markers
+_APP0, _APP14, _SOS = 0xE0, 0xEE, 0xDA
+# The luma sampling factors (H, V) of 4:4:4, 4:2:2, 4:2:0 and 4:4:0, with chroma at 1x1.
+_NVJPEG_SAMPLING = {(1, 1), (2, 1), (2, 2), (1, 2)}
 
 
-def _frame_header(data: bytes) -> tuple[int, int, int] | None:
-    """``(marker, sample precision, components)`` of a JPEG's start of frame, None if none."""
-    i = 2
-    while i + 4 <= len(data):
-        if data[i] != 0xFF:
-            return None
+@dataclass
+class _Header:
+    """What a JPEG's markers up to its first scan say about how it is decoded."""
+
+    frame: int = 0  # the start-of-frame marker; 0 if none
+    precision: int = 0
+    components: tuple[tuple[int, int, int], ...] = ()  # (id, H, V) each
+    jfif: bool = False
+    adobe_transform: int | None = None
+
+
+def _header(data: bytes) -> _Header:
+    header, i = _Header(), 2
+    while i + 4 <= len(data) and data[i] == 0xFF:
         marker = data[i + 1]
         if marker == 0xFF:  # a fill byte
             i += 1
-        elif marker in _STANDALONE:
+            continue
+        if marker in _STANDALONE:
             i += 2
-        elif 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):
-            return (marker, data[i + 4], data[i + 9]) if i + 9 < len(data) else None
-        else:
-            i += 2 + int.from_bytes(data[i + 2 : i + 4], "big")
-    return None
+            continue
+        if marker == _SOS:
+            break
+        end = i + 2 + int.from_bytes(data[i + 2 : i + 4], "big")
+        body = data[i + 4 : end] if marker in _FRAMES or marker in (_APP0, _APP14) else b""
+        if marker == _APP0 and body.startswith(b"JFIF\0"):
+            header.jfif = True
+        elif marker == _APP14 and body.startswith(b"Adobe") and len(body) >= 12:
+            header.adobe_transform = body[11]
+        elif marker in _FRAMES and len(body) >= 6:
+            header.frame, header.precision = marker, body[0]
+            header.components = tuple((body[j], body[j + 1] >> 4, body[j + 1] & 15)
+                                      for j in range(6, min(len(body) - 1, 6 + 3 * body[5]), 3))
+        i = end
+    return header
+
+
+def _stored_as_rgb(header: _Header) -> bool:
+    """Whether libjpeg reads the three components as RGB, not YCbCr: no JFIF marker, and an
+    Adobe marker with transform 0 or, without one, the component ids 'R', 'G', 'B'."""
+    if header.jfif or len(header.components) != 3:
+        return False
+    if header.adobe_transform is not None:
+        return header.adobe_transform == 0
+    return tuple(c[0] for c in header.components) == (82, 71, 66)
 
 
 def gpu_decodable(data: bytes) -> bool:
-    """Whether nvJPEG decodes ``data`` as the CPU would: an 8-bit greyscale or YCbCr JPEG
-    (Huffman-coded) that ends with its end-of-image marker."""
+    """Whether nvJPEG decodes ``data`` as the CPU would: an 8-bit, Huffman-coded JPEG that ends
+    with its end-of-image marker, greyscale or YCbCr in 4:4:4, 4:2:2, 4:2:0 or 4:4:0.
+
+    Any other sampling (torchvision refuses what nvJPEG calls unknown, failing the batch; the
+    rest are rare) and a JPEG that libjpeg reads as RGB (an Adobe marker's transform 0: no
+    decoder documents whether nvJPEG honours it, and a mistake would be silent, in the
+    colours) are the CPU's."""
     if data[:2] != b"\xff\xd8" or not data[-64:].rstrip(b"\x00").endswith(b"\xff\xd9"):
         return False
-    header = _frame_header(data)
-    return (header is not None and header[0] in _NVJPEG_FRAMES and header[1] == 8
-            and header[2] in (1, 3))
+    header = _header(data)
+    if header.frame not in _NVJPEG_FRAMES or header.precision != 8:
+        return False
+    if len(header.components) == 1:
+        return True
+    return (len(header.components) == 3 and not _stored_as_rgb(header)
+            and all(c[1:] == (1, 1) for c in header.components[1:])
+            and header.components[0][1:] in _NVJPEG_SAMPLING)
 
 
 @dataclass
@@ -92,11 +154,13 @@ class EncodedCrop:
             the whole of them (a flip there still applies).
         data: the encoded file (writable uint8), for the GPU to decode.
         pixels: uint8 ``3×H×W``, decoded by the worker (a file nvJPEG cannot take).
+        path: the file's name, for errors.
     """
 
     geometry: np.ndarray
     data: np.ndarray | None = None
     pixels: torch.Tensor | None = None
+    path: str = "<bytes>"
 
 
 def encoded_array(data: bytes) -> np.ndarray:
@@ -105,16 +169,17 @@ def encoded_array(data: bytes) -> np.ndarray:
 
 
 def collate_crops(crops: list[EncodedCrop]) -> dict[str, Any]:
-    """A batch of crops: ``encoded`` (the files, numpy arrays: they stay on the host),
-    ``pixels`` (the worker-decoded crops, one uint8 tensor: it crosses to the device),
-    ``geometry`` (one row a sample, numpy) and ``order`` (for each sample, its index in
-    ``encoded``, or ``-1 - `` its index in ``pixels``)."""
+    """A batch of crops: ``encoded`` (the files, numpy arrays: they stay on the host) and
+    ``paths`` (their names), ``pixels`` (the worker-decoded crops, one uint8 tensor: it
+    crosses to the device), ``geometry`` (one row a sample, numpy) and ``order`` (for each
+    sample, its index in ``encoded``, or ``-1 - `` its index in ``pixels``)."""
     decoded = np.array([c.pixels is not None for c in crops])
     geometry = np.stack([c.geometry for c in crops])
     out_w, out_h = (int(geometry[0, FIELDS.index(f)]) for f in ("out_w", "out_h"))
     pixels = [c.pixels for c in crops if c.pixels is not None]
     return {
         "encoded": [c.data for c in crops if c.pixels is None],
+        "paths": [c.path for c in crops if c.pixels is None],
         "pixels": torch.stack(pixels) if pixels else torch.empty((0, 3, out_h, out_w),
                                                                  dtype=torch.uint8),
         "geometry": geometry,
@@ -131,22 +196,51 @@ def encoded_collate(samples: list[tuple[Any, ...]]) -> list[Any]:
 
 class JpegDecoder(Protocol):
     """Decodes JPEG files to RGB on a device: ``3×H×W`` uint8 tensors, contiguous, safe to
-    use on the caller's current stream, in the order given."""
+    use on the caller's current stream, in the order given. Raises ``RuntimeError`` if it
+    cannot decode one of them."""
 
     def __call__(self, encoded: list[torch.Tensor], device: torch.device
                  ) -> list[torch.Tensor]: ...
 
 
+_decode_streams: dict[int, Any] = {}  # device index -> the process's decode stream
+_decode_streams_lock = threading.Lock()
+os.register_at_fork(after_in_child=_decode_streams.clear)  # CUDA objects do not cross a fork
+
+
+def decode_stream(device: torch.device) -> Any:
+    """The process's decode stream for ``device``: made on first use, never destroyed, and
+    none of torch's pool. ``torch.cuda.Stream()`` makes no stream: it hands out the next of 32
+    pooled ones, round-robin, which in time is the copy stream or the one the user trains on
+    (whose freed blocks the decoder would then be given, see the module's notes)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with _decode_streams_lock:
+        stream = _decode_streams.get(index)
+        if stream is None:
+            handle = pinning.TorchCudaRuntime().stream_create(index)
+            stream = torch.cuda.ExternalStream(handle, device=torch.device("cuda", index))
+            _decode_streams[index] = stream
+    return stream
+
+
+# torchvision 0.29 deprecates its image decoders (TorchCodec replaces them) and warns at every
+# call, from this module: that one warning is silenced, once, for the process (a filter, as
+# warnings.catch_warnings is not thread-safe and the decode runs in a helper thread).
+_DEPRECATION = "The image decoding and encoding capabilities of TorchVision are deprecated"
+_DEPRECATED_IN = r"torchvision\.io\.image\Z"
+
+
+@functools.cache
+def _quiet_torchvision_deprecation() -> None:
+    warnings.filterwarnings("ignore", message=re.escape(_DEPRECATION),
+                            category=DeprecationWarning, module=_DEPRECATED_IN)
+
+
 class NvjpegDecoder:
     """:class:`JpegDecoder` by ``torchvision.io.decode_jpeg(device=...)`` (nvJPEG; its
     hardware backend on A100/H100 for the files it accepts), following the stream rules of
-    the module's notes. On a CPU device, torchvision's CPU decoder."""
-
-    def __init__(self) -> None:
-        self._decode_stream: Any = None  # made on first use, per process
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"_decode_stream": None}
+    the module's notes, on :func:`decode_stream`. On a CPU device, torchvision's CPU
+    decoder."""
 
     def __call__(self, encoded: list[torch.Tensor], device: torch.device
                  ) -> list[torch.Tensor]:
@@ -154,23 +248,40 @@ class NvjpegDecoder:
 
         if not encoded:
             return []
+        _quiet_torchvision_deprecation()
         if device.type != "cuda":
             return decode_jpeg(encoded, device=device, mode=ImageReadMode.RGB)
-        if self._decode_stream is None:
-            self._decode_stream = torch.cuda.Stream(device)
+        stream = decode_stream(device)
         caller = torch.cuda.current_stream(device)
-        with torch.cuda.stream(self._decode_stream):
+        with torch.cuda.stream(stream):
             images = decode_jpeg(encoded, device=device, mode=ImageReadMode.RGB)
-        caller.wait_stream(self._decode_stream)
+        caller.wait_stream(stream)
         for image in images:
             image.record_stream(caller)
         return images
+
+
+def _decoded_on_host(data: np.ndarray, path: str, refused: Exception) -> torch.Tensor:
+    """A file the GPU's decoder refused, decoded whole the workers' way: uint8 ``3×H×W``."""
+    encoded = data.tobytes()
+    try:
+        size = image_size(encoded, path)
+        return decode_resized_crop(encoded, lambda width, height: (0, 0, width, height), size,
+                                   path)
+    except DecodeError as error:
+        raise DecodeError(f"{error}; the GPU's decoder refused it too ({refused}). (on_error "
+                          "does not apply: the file's batch was already collated)") from refused
 
 
 class DecodeCrops:
     """The device stage of a batch of crops: ``[collate_crops(...), rest...]`` ->
     ``[images, rest...]`` (the container's type kept), ``images`` an ``N×3×H×W`` batch as
     ``affine`` says (rounded uint8 by default).
+
+    The decoder takes the batch's files in one call. If it refuses them, it is given one file
+    at a time, and each file it refuses is decoded on the host, as the workers decode, and
+    copied to the device to join the batch; a file neither decodes raises
+    :class:`~fastfeed.vision.decode.DecodeError`, naming it.
 
     Args:
         affine: the conversion and normalisation folded into the resize.
@@ -189,11 +300,39 @@ class DecodeCrops:
         self.decoder: JpegDecoder = decoder if decoder is not None else NvjpegDecoder()
         self.needs_cuda = needs_cuda
 
+    def decode(self, encoded: list[np.ndarray], paths: list[str], device: torch.device
+               ) -> list[torch.Tensor]:
+        """The files decoded on ``device``, in order; those the decoder refuses, on the
+        host."""
+        files = [torch.from_numpy(data) for data in encoded]
+        try:
+            return self.decoder(files, device)
+        except torch.OutOfMemoryError:
+            raise  # not the files': decoding them one by one, or on the host, would hide it
+        except RuntimeError:
+            pass  # one of them, at least: each alone
+        images, refused = [], []
+        for file, path in zip(files, paths, strict=True):
+            try:
+                images.append(self.decoder([file], device)[0])
+            except torch.OutOfMemoryError:
+                raise
+            except RuntimeError as error:
+                image = _decoded_on_host(file.numpy(), path, error)
+                refused.append(f"{path} ({error})")
+                # from page-locked memory, asynchronously, on the current (copy) stream
+                images.append(image.pin_memory().to(device, non_blocking=True)
+                              if device.type == "cuda" else image)
+        if refused:
+            logger.warning("the GPU's JPEG decoder refused %d file(s) of a batch, decoded on "
+                           "the host instead: %s%s", len(refused), "; ".join(refused[:5]),
+                           f"; and {len(refused) - 5} more" if len(refused) > 5 else "")
+        return images
+
     def images(self, crops: dict[str, Any]) -> torch.Tensor:
         """The batch's images, on the device of ``crops["pixels"]``."""
         pixels: torch.Tensor = crops["pixels"]
-        decoded = self.decoder([torch.from_numpy(data) for data in crops["encoded"]],
-                               pixels.device)
+        decoded = self.decode(crops["encoded"], crops["paths"], pixels.device)
         rows = pixels.unbind(0)
         images = [decoded[i] if i >= 0 else rows[-1 - i] for i in crops["order"].tolist()]
         return resize_crops(images, crops["geometry"], self.affine)
@@ -203,4 +342,3 @@ class DecodeCrops:
         if self.needs_cuda is not None and crops["pixels"].device.type != "cuda":
             raise RuntimeError(self.needs_cuda)
         return type(batch)([self.images(crops), *rest])
-

@@ -3,12 +3,15 @@
 Workers parse only the JPEG header (to draw the crop box from the image size) and hand over
 the encoded bytes and the box (:class:`~fastfeed.vision.gpu_decode.EncodedCrop`); on the copy
 stream, :class:`~fastfeed.vision.gpu_decode.DecodeCrops` decodes the whole batch with
-``torchvision.io.decode_jpeg(device="cuda")`` and crops, resizes and flips it in a dozen
-kernels (:mod:`fastfeed.vision.gpu_decode` has the stream rules). torchvision is imported only
-there, and only when this backend is used. A file nvJPEG cannot take (not a JPEG, though named
-``.JPEG``: ImageNet has a PNG; a CMYK, 12-bit, arithmetic-coded or truncated JPEG) is decoded
-by its worker on the CPU, as :class:`~fastfeed.vision.ImageFolder` decodes it, so ``on_error``
-applies to it alike.
+``torchvision.io.decode_jpeg(device="cuda")`` and crops, resizes and flips it in about ten
+kernels per group of similar crops (:mod:`fastfeed.vision.gpu_decode` has the stream rules).
+torchvision is imported only there, and only when this backend is used. A file nvJPEG cannot
+take (not a JPEG, though named ``.JPEG``: ImageNet has a PNG; a CMYK, 12-bit,
+arithmetic-coded, truncated or unusually subsampled JPEG) is decoded by its worker on the CPU,
+as :class:`~fastfeed.vision.ImageFolder` decodes it, so ``on_error`` applies to it alike. A
+file that passes those checks and that nvJPEG still refuses is decoded on the host once its
+batch reaches the GPU; ``on_error`` cannot apply there (the batch is collated): one that the
+CPU cannot decode either raises, naming it.
 """
 
 from __future__ import annotations
@@ -40,8 +43,8 @@ class EncodedImageFolder(ImageFolder):
     :func:`~fastfeed.vision.gpu_decode.encoded_collate`: the file's bytes and the crop to make
     of it, for the GPU; for a file nvJPEG cannot take (see
     :func:`~fastfeed.vision.gpu_decode.gpu_decodable`), the crop decoded here (uint8
-    ``3×size×size``), with the same random draws. A file that neither can decode is handled as
-    ``on_error`` says.
+    ``3×size×size``), with the same random draws. A file the worker cannot read or decode is
+    handled as ``on_error`` says (one that only nvJPEG refuses: see the module's notes).
     """
 
     def __getitem__(self, index: int) -> Any:
@@ -52,7 +55,8 @@ class EncodedImageFolder(ImageFolder):
                 data = f.read()
             if gpu_decodable(data):
                 box = self._box(*image_size(data, path))
-                crop = EncodedCrop(crop_geometry(box, size), data=encoded_array(data))
+                crop = EncodedCrop(crop_geometry(box, size), data=encoded_array(data),
+                                   path=str(path))
             else:
                 pixels = decode_resized_crop(data, self._box, size, path, self.roi_decode)
                 crop = EncodedCrop(crop_geometry((0, 0, *size), size), pixels=pixels)

@@ -7,22 +7,29 @@ sizes are tensor metadata), so it writes small tables: for each output row and c
 source pixels it reads and their weights (a separable antialiased filter, torch's and Pillow's:
 bilinear or bicubic, its support widened by the downscale), with the flip folded into the
 column order. The tables cross to the device in one copy, and the resize is two weighted
-gathers, each one ``embedding_bag`` (a gather and a weighted sum in one kernel):
+gathers, each one ``embedding_bag`` (a gather and a weighted sum in one kernel).
 
-1. the images, packed end to end in one buffer, give the rows the vertical taps read, only
+A table's rows are as wide as its widest crop, and its filters as long as its longest, so the
+crops are grouped by width and filter length (each rounded up to a power of two; at most eight
+groups): one large photo does not pad the whole batch to its size. For each group:
+
+1. its images, packed end to end in one buffer, give the rows the vertical taps read, only
    their crop's columns (one gather), as floats: the table of the vertical pass;
 2. vertical pass: each output row of each channel is a weighted sum of source rows;
 3. the result is transposed (one copy), so that its columns are rows;
 4. horizontal pass: each output column is a weighted sum of those columns;
-5. one ``addcmul`` writes the NCHW batch, converting and normalising per channel
+5. one ``addcmul`` writes the group's crops into the NCHW batch (through their indices, one
+   more copy, unless they are a run of it), converting and normalising per channel
    (``value * scale + offset``: ``ToTensor`` and ``Normalize`` folded together), in the
-   output dtype; a uint8 output is then rounded into uint8 (one copy). After a bicubic
-   filter, which overshoots, the pixels are first clamped to 0–255, as Pillow's are.
+   output dtype; a uint8 batch is then rounded into uint8 (one copy). After a bicubic filter,
+   which overshoots, the pixels are first clamped to 0–255, as Pillow's are.
 
-About a dozen kernels a batch, however many images it has; nothing reads a device value back.
-The same code runs on CPU tensors, which is how its tests see it. Pixels: torch's antialiased
-``interpolate`` of each crop, to float rounding (``tests/test_gpu_decode.py``); against
-Pillow's fixed-point resize of a uint8 image, a fraction of a grey level.
+About ten kernels a group, however many images it has (an ImageNet batch makes three or four
+groups); nothing reads a device value back. Each buffer is dropped once used, so a group's
+memory is reused by the next. The same code runs on CPU tensors, which is how its tests see
+it. Pixels: torch's antialiased ``interpolate`` of each crop, to float rounding
+(``tests/test_gpu_decode.py``); against Pillow's fixed-point resize of a uint8 image, a
+fraction of a grey level.
 """
 
 from __future__ import annotations
@@ -121,67 +128,137 @@ def _taps(start: np.ndarray, length: np.ndarray, out: int, low: np.ndarray,
     return index, weights
 
 
-class _Tables:
-    """The host's per-batch tables, packed into one buffer for one copy to the device."""
+# Crops whose widths (the columns their taps read) round up to the same power of two, and whose
+# filters' lengths do, share a table: padding each to its group's widest and longest costs at
+# most about twice the memory and four times the work of no padding, where one table for the
+# batch pads every crop to the batch's largest (a 4288-pixel-wide photo: ten times the memory).
+# A batch with more classes than this is grouped by width alone, in this many classes.
+_MAX_GROUPS = 8
 
-    def __init__(self, geometry: np.ndarray, sizes: np.ndarray) -> None:
-        g = geometry
+
+def _power_of_two_class(values: np.ndarray) -> np.ndarray:
+    return np.ceil(np.log2(np.maximum(values, 1))).astype(np.int64)
+
+
+def _groups(widths: np.ndarray, taps_v: np.ndarray, taps_h: np.ndarray) -> list[np.ndarray]:
+    """The crops of each group, in batch order: at most :data:`_MAX_GROUPS` groups, the
+    widest first (on a GPU, the later groups' buffers can then be cut from its freed
+    blocks)."""
+    keys = np.stack([_power_of_two_class(a) for a in (widths, taps_v, taps_h)], 1)
+    labels = np.unique(keys, axis=0, return_inverse=True)[1].ravel()
+    if labels.max() >= _MAX_GROUPS:  # widths up to 64, 128, ..., and the rest
+        classes = np.clip(_power_of_two_class(widths), 6, 5 + _MAX_GROUPS)
+        labels = np.unique(classes, return_inverse=True)[1].ravel()
+    return [np.flatnonzero(labels == label) for label in range(int(labels.max()), -1, -1)]
+
+
+class _Tables:
+    """The host's tables of one group of crops (its taps cut to the group's longest filter)."""
+
+    def __init__(self, geometry: np.ndarray, sizes: np.ndarray, rows: np.ndarray,
+                 row_w: np.ndarray, cols: np.ndarray, col_w: np.ndarray) -> None:
         heights, widths = sizes[:, 0], sizes[:, 1]
-        self.out_h, self.out_w = int(g[0, _OUT_H]), int(g[0, _OUT_W])
-        bicubic = g[:, _BICUBIC] > 0
-        self.bicubic = bool(bicubic.any())
-        # Taps stop at the resized region, and at the image (a window cannot leave it).
-        top = np.clip(np.round(g[:, _TOP]), 0, heights - 1).astype(np.int64)
-        bottom = np.clip(np.round(g[:, _BOTTOM]), top + 1, heights).astype(np.int64)
-        left = np.clip(np.round(g[:, _LEFT]), 0, widths - 1).astype(np.int64)
-        right = np.clip(np.round(g[:, _RIGHT]), left + 1, widths).astype(np.int64)
-        rows, row_w = _taps(g[:, _Y], g[:, _H], self.out_h, top, bottom, bicubic)
-        cols, col_w = _taps(g[:, _X], g[:, _W], self.out_w, left, right, bicubic)
+        self.size = len(geometry)
         # The rows the vertical taps read (indices grow along each axis), each cut to the
         # columns the horizontal taps read.
         first_row, row_count = rows[:, 0, 0], rows[:, -1, -1] + 1 - rows[:, 0, 0]
         first_col = cols[:, 0, 0].copy()  # not a view: the flip below reorders cols
         self.width = int((cols[:, -1, -1] + 1 - first_col).max())
-        flipped = g[:, _FLIP] > 0
+        self.bicubic = bool((geometry[:, _BICUBIC] > 0).any())
+        flipped = geometry[:, _FLIP] > 0
         cols[flipped], col_w[flipped] = cols[flipped, ::-1], col_w[flipped, ::-1]
 
         planes = heights * widths
-        self.flat_size = int(3 * planes.sum())
         image_start = np.cumsum(3 * planes) - 3 * planes
         segment_start = (image_start + first_row * widths + first_col)[:, None] + (
             np.arange(3) * planes[:, None])  # each channel's first row, (B, 3)
         counts = np.repeat(row_count, 3)
         ends = np.cumsum(counts)
         row = np.arange(int(ends[-1])) - np.repeat(ends - counts, counts)
-        self.segments = (np.repeat(segment_start.ravel(), counts)
-                         + row * np.repeat(np.repeat(widths, 3), counts))
+        segments = (np.repeat(segment_start.ravel(), counts)
+                    + row * np.repeat(np.repeat(widths, 3), counts))
         table_start = ends[::3] - counts[::3]  # each image's first row in the table
-        self.vertical = (table_start - first_row)[:, None, None] + rows
-        self.channel_rows = np.arange(3) * row_count[:, None]
-        self.horizontal = (np.arange(len(g)) * self.width - first_col)[:, None, None] + cols
-        self.weights = (row_w, col_w)
+        vertical = (table_start - first_row)[:, None, None] + rows
+        channel_rows = np.arange(3) * row_count[:, None]
+        horizontal = (np.arange(self.size) * self.width - first_col)[:, None, None] + cols
+        largest = max(int(3 * planes.sum()) + self.width, int(horizontal.max()) + 1)
+        index = np.int32 if largest < 2**31 else np.int64
+        self.taps_v, self.taps_h = rows.shape[-1], cols.shape[-1]
+        self.arrays = [segments.astype(index), vertical.astype(index),
+                       channel_rows.astype(index), horizontal.astype(index),
+                       row_w.astype(np.float32), col_w.astype(np.float32)]
 
-    def to(self, device: torch.device, affine: PixelAffine) -> list[torch.Tensor]:
-        """The tables on ``device`` (one copy; page-locked memory when it is a GPU):
-        segments, vertical, channel_rows, horizontal (indices), vertical and horizontal
-        weights, scale and offset."""
-        largest = max(self.flat_size + self.width, int(self.horizontal.max()) + 1)
-        index_dtype = np.int32 if largest < 2**31 else np.int64
-        offset = [0.5 if affine.dtype == torch.uint8 else b for b in affine.offset]
-        parts = [a.astype(index_dtype).ravel() for a in
-                 (self.segments, self.vertical, self.channel_rows, self.horizontal)]
-        parts += [w.astype(np.float32).ravel() for w in self.weights]
-        parts += [np.array(affine.scale, np.float32), np.array(offset, np.float32)]
-        bounds = np.cumsum([0, *(-(-p.nbytes // 8) * 8 for p in parts)])  # 8-byte aligned
-        host = torch.empty(int(bounds[-1]), dtype=torch.uint8,
-                           pin_memory=device.type == "cuda")
-        packed = host.numpy()
-        for part, start in zip(parts, bounds, strict=False):
-            packed[start:start + part.nbytes] = part.view(np.uint8)
-        on_device = host.to(device, non_blocking=True)
-        index = torch.int32 if index_dtype == np.int32 else torch.int64
-        return [on_device[start:start + part.nbytes].view(index if i < 4 else torch.float32)
-                for i, (part, start) in enumerate(zip(parts, bounds, strict=False))]
+
+def _batch_tables(geometry: np.ndarray, sizes: np.ndarray
+                  ) -> tuple[list[np.ndarray], list[_Tables]]:
+    """The batch's groups (:func:`_groups`) and their tables."""
+    g = geometry
+    heights, widths = sizes[:, 0], sizes[:, 1]
+    out_h, out_w = int(g[0, _OUT_H]), int(g[0, _OUT_W])
+    bicubic = g[:, _BICUBIC] > 0
+    # Taps stop at the resized region, and at the image (a window cannot leave it).
+    top = np.clip(np.round(g[:, _TOP]), 0, heights - 1).astype(np.int64)
+    bottom = np.clip(np.round(g[:, _BOTTOM]), top + 1, heights).astype(np.int64)
+    left = np.clip(np.round(g[:, _LEFT]), 0, widths - 1).astype(np.int64)
+    right = np.clip(np.round(g[:, _RIGHT]), left + 1, widths).astype(np.int64)
+    rows, row_w = _taps(g[:, _Y], g[:, _H], out_h, top, bottom, bicubic)
+    cols, col_w = _taps(g[:, _X], g[:, _W], out_w, left, right, bicubic)
+    # Each crop's own filter length (its longest row of taps) and the columns it reads
+    taps_v = (rows[..., -1] - rows[..., 0]).max(1) + 1
+    taps_h = (cols[..., -1] - cols[..., 0]).max(1) + 1
+    groups = _groups(cols[:, -1, -1] + 1 - cols[:, 0, 0], taps_v, taps_h)
+    tables = []
+    for i in groups:  # the taps past a group's longest filter all have weight 0
+        v, h = taps_v[i].max(), taps_h[i].max()
+        tables.append(_Tables(g[i], sizes[i], rows[i, :, :v], row_w[i, :, :v], cols[i, :, :h],
+                              col_w[i, :, :h]))
+    return groups, tables
+
+
+_TORCH_DTYPES = {np.dtype(np.int32): torch.int32, np.dtype(np.int64): torch.int64,
+                 np.dtype(np.float32): torch.float32}
+
+
+def _upload(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """``arrays`` on ``device``, in one copy (from page-locked memory when it is a GPU)."""
+    bounds = np.cumsum([0, *(-(-a.nbytes // 8) * 8 for a in arrays)])  # 8-byte aligned
+    host = torch.empty(int(bounds[-1]), dtype=torch.uint8, pin_memory=device.type == "cuda")
+    packed = host.numpy()
+    for array, start in zip(arrays, bounds, strict=False):
+        packed[start:start + array.nbytes] = np.ascontiguousarray(array).view(np.uint8).ravel()
+    on_device = host.to(device, non_blocking=True)
+    return [on_device[start:start + a.nbytes].view(_TORCH_DTYPES[a.dtype]).view(a.shape)
+            for a, start in zip(arrays, bounds, strict=False)]
+
+
+def _resize_group(images: list[torch.Tensor], tables: _Tables, arrays: list[torch.Tensor],
+                  out_size: tuple[int, int]) -> torch.Tensor:
+    """One group's crops resized: ``(n, out_w, 3, out_h)`` floats, 0–255. Each buffer is
+    dropped after its last use: on the same stream, the next allocation may take it at once."""
+    segments, vertical, channel_rows, horizontal, row_w, col_w = arrays
+    n, (out_h, out_w), width = tables.size, out_size, tables.width
+    taps_v, taps_h = tables.taps_v, tables.taps_h
+    # The images end to end, then room for the last segment to run past its image: those
+    # columns are never read (their weights are zero), so the room is left uninitialised.
+    device = images[0].device
+    packed = torch.cat([*(image.reshape(-1) for image in images),
+                        torch.empty(width, dtype=torch.uint8, device=device)])
+    table = packed.unfold(0, width, 1)[segments].float()
+    del packed
+    rows = (vertical.view(n, 1, out_h, taps_v) + channel_rows.view(n, 3, 1, 1)).view(-1, taps_v)
+    row_weights = row_w.view(n, 1, out_h, taps_v).expand(n, 3, out_h, taps_v)
+    vertical_pass = F.embedding_bag(rows, table, per_sample_weights=row_weights.reshape(
+        -1, taps_v), mode="sum")
+    del table, rows, row_weights
+    columns = vertical_pass.view(n, 3 * out_h, width).transpose(1, 2).reshape(
+        n * width, 3 * out_h)
+    del vertical_pass
+    resized = F.embedding_bag(horizontal.view(-1, taps_h), columns,
+                              per_sample_weights=col_w.view(-1, taps_h), mode="sum")
+    del columns
+    if tables.bicubic:  # the cubic filter overshoots: Pillow's uint8 result is clamped
+        resized.clamp_(0, 255)
+    return resized.view(n, out_w, 3, out_h)
 
 
 def resize_crops(images: Sequence[torch.Tensor], geometry: np.ndarray,
@@ -190,8 +267,9 @@ def resize_crops(images: Sequence[torch.Tensor], geometry: np.ndarray,
     one device) with one row of ``geometry`` each (:func:`crop_geometry`; every row with the
     same output size) to an ``N×3×out_h×out_w`` tensor of ``affine.dtype``.
 
-    Queues a fixed number of kernels whatever the batch size (for contiguous images, as
-    decoders give them; any other is copied first), and waits for none of them.
+    Queues a fixed number of kernels per group of crops of similar width and filter length
+    (at most eight groups), whatever the batch size (for contiguous images, as decoders give
+    them; any other is copied first), and waits for none of them.
     """
     if len(images) != len(geometry) or not len(images):
         raise ValueError(f"{len(images)} images for {len(geometry)} rows of geometry")
@@ -199,32 +277,28 @@ def resize_crops(images: Sequence[torch.Tensor], geometry: np.ndarray,
         raise RuntimeError("stack expects each tensor to be equal size, but the crops of this "
                            f"batch have sizes {np.unique(geometry[:, [_OUT_W, _OUT_H]], axis=0)}")
     device = images[0].device
-    batch = len(images)
-    tables = _Tables(geometry, np.array([image.shape[1:] for image in images]))
-    segments, vertical, channel_rows, horizontal, row_w, col_w, scale, offset = tables.to(
-        device, affine)
-    out_h, out_w, width = tables.out_h, tables.out_w, tables.width
-    taps_v, taps_h = tables.weights[0].shape[-1], tables.weights[1].shape[-1]
-    # The images end to end, then room for the last segment to run past its image: those
-    # columns are never read (their weights are zero), so the room is left uninitialised.
-    packed = torch.cat([*(image.reshape(-1) for image in images),
-                        torch.empty(width, dtype=torch.uint8, device=device)])
-    table = packed.unfold(0, width, 1)[segments].float()
-    rows = (vertical.view(batch, 1, out_h, taps_v)
-            + channel_rows.view(batch, 3, 1, 1)).view(-1, taps_v)
-    row_weights = row_w.view(batch, 1, out_h, taps_v).expand(batch, 3, out_h, taps_v)
-    vertical_pass = F.embedding_bag(rows, table, per_sample_weights=row_weights.reshape(
-        -1, taps_v), mode="sum")
-    columns = vertical_pass.view(batch, 3 * out_h, width).transpose(1, 2).reshape(
-        batch * width, 3 * out_h)
-    resized = F.embedding_bag(horizontal.view(-1, taps_h), columns,
-                              per_sample_weights=col_w.view(-1, taps_h), mode="sum")
-    if tables.bicubic:  # the cubic filter overshoots: Pillow's uint8 result is clamped
-        resized.clamp_(0, 255)
-    pixels = resized.view(batch, out_w, 3, out_h).permute(0, 2, 3, 1)
+    out_h, out_w = int(geometry[0, _OUT_H]), int(geometry[0, _OUT_W])
+    groups, tables = _batch_tables(geometry, np.array([image.shape[1:] for image in images]))
+    # A group that is not a run of the batch is written through its indices.
+    scattered = [i for i, group in enumerate(groups) if group[-1] - group[0] + 1 != len(group)]
+    offset = [0.5 if affine.dtype == torch.uint8 else b for b in affine.offset]
+    arrays = _upload([*(a for t in tables for a in t.arrays),
+                      *(groups[i].astype(np.int64) for i in scattered),
+                      np.array(affine.scale, np.float32), np.array(offset, np.float32)], device)
+    scale, shift = arrays[-2].view(1, 3, 1, 1), arrays[-1].view(1, 3, 1, 1)
+    indices = dict(zip(scattered, arrays[6 * len(tables):], strict=False))
     floats = affine.dtype if affine.dtype != torch.uint8 else torch.float32
-    out = torch.empty((batch, 3, out_h, out_w), dtype=floats, device=device)
-    torch.addcmul(offset.view(1, 3, 1, 1), pixels, scale.view(1, 3, 1, 1), out=out)
+    out = torch.empty((len(images), 3, out_h, out_w), dtype=floats, device=device)
+    for i, (group, table) in enumerate(zip(groups, tables, strict=True)):
+        resized = _resize_group([images[j] for j in group], table, arrays[6 * i:6 * i + 6],
+                                (out_h, out_w))
+        pixels = resized.permute(0, 2, 3, 1)
+        target = (out[int(group[0]):int(group[-1]) + 1] if i not in indices
+                  else torch.empty(pixels.shape, dtype=floats, device=device))
+        torch.addcmul(shift, pixels, scale, out=target)
+        if i in indices:
+            out.index_copy_(0, indices[i], target)
+        del resized, pixels, target
     if affine.dtype != torch.uint8:
         return out
     # the offset was 0.5: the conversion's truncation rounds

@@ -6,6 +6,10 @@ It is not a recorder of calls: code that breaks a rule gets wrong bytes, or a co
   (:meth:`Gpu.run`, streams in the order the test picks: the adversary) or when the host waits
   for it (a sync). An **event** marks a point of a stream; ``query()`` says whether the device
   got there; ``wait_event``/``wait_stream`` hold a stream at a point of another.
+- **torch's stream pool.** ``torch.cuda.Stream()`` hands out the next of 32 streams (per
+  priority), round-robin, as torch does: the 33rd call gives the first one's stream again.
+  A stream of one's own is ``torch.cuda.ExternalStream`` over a handle from
+  :attr:`Gpu.runtime` (``stream_create``, cudaStreamCreateWithFlags).
 - **The copy engine.** ``tensor.to("cuda", non_blocking=True)`` from page-locked, dense memory
   queues a read of the source *by address*, done when its stream runs: a slot rewritten before
   then is copied with the new bytes. Anything else (pageable or non-dense memory, a blocking
@@ -30,7 +34,7 @@ It is not a recorder of calls: code that breaks a rule gets wrong bytes, or a co
 Install it with the ``gpu`` fixture of the tests that use it (:func:`install`).
 """
 
-from cuda_model.device import DEVICE, Event, Gpu, Stream
+from cuda_model.device import DEVICE, POOL_SIZE, Event, Gpu, Stream
 from cuda_model.tensors import DeviceTensor, install
 
-__all__ = ["DEVICE", "DeviceTensor", "Event", "Gpu", "Stream", "install"]
+__all__ = ["DEVICE", "POOL_SIZE", "DeviceTensor", "Event", "Gpu", "Stream", "install"]

@@ -15,6 +15,9 @@ import torch
 
 DEVICE = torch.device("cuda", 0)
 _ALIGN = 512
+# torch.cuda.Stream() makes no stream: it hands out the next of a pool of this many, per
+# priority, round-robin (c10/cuda/CUDAStream.cpp's kStreamsPerPool).
+POOL_SIZE = 32
 
 
 # -- streams and events ------------------------------------------------------------------------
@@ -143,6 +146,13 @@ class FakeRuntime:
 
     def __init__(self, gpu: Gpu, refuse: bool = False) -> None:
         self.gpu, self.refuse = gpu, refuse
+        self.created: list[Stream] = []  # cudaStreamCreateWithFlags, in order
+
+    def stream_create(self, index: int) -> int:
+        """A new stream of its own (not torch's pool), as a handle for ``ExternalStream``."""
+        stream = Stream(self.gpu, f"created{len(self.created)}")
+        self.created.append(stream)
+        return id(stream)
 
     def device(self, index: int):
         return contextlib.nullcontext()
@@ -175,6 +185,8 @@ class Gpu:
         self._pending: list[tuple[Block, list[Mark]]] = []
         self.streams: list[Stream] = []
         self.default = Stream(self, "default")
+        self._stream_pools: dict[bool, list[Stream]] = {}  # torch's, by high priority
+        self._handed: dict[bool, int] = {}
         self._local = threading.local()
         self.syncs: list[tuple[str, str]] = []  # (what, thread name)
         self.registered: dict[int, int] = {}  # cudaHostRegister: address -> bytes
@@ -190,8 +202,20 @@ class Gpu:
     def stream(self, stream: Stream | None) -> _StreamContext:
         return _StreamContext(self, stream)
 
-    def new_stream(self, device: object = None, priority: int = 0) -> Stream:
-        return Stream(self, f"side{len(self.streams)}")
+    def pool_stream(self, device: object = None, priority: int = 0) -> Stream:
+        """``torch.cuda.Stream()``: the next stream of torch's pool for the priority (low, or
+        high when negative), round-robin, so that the 33rd is the first again."""
+        high = priority < 0
+        pool = self._stream_pools.setdefault(high, [])
+        handed = self._handed.get(high, 0)
+        self._handed[high] = handed + 1
+        if handed < POOL_SIZE:
+            pool.append(Stream(self, f"{'high' if high else 'pool'}{handed}"))
+        return pool[handed % POOL_SIZE]
+
+    def external_stream(self, handle: int, device: object = None) -> Stream:
+        """``torch.cuda.ExternalStream``: the stream a handle of :attr:`runtime` names."""
+        return next(s for s in self.runtime.created if id(s) == handle)
 
     def launch(self, stream: Stream, name: str, run: object) -> None:
         with self.lock:
@@ -261,6 +285,11 @@ class Gpu:
             else:
                 still.append((block, marks))
         self._pending = still
+
+    @property
+    def reserved(self) -> int:
+        """The bytes the allocator holds, in use or cached: the most it ever needed at once."""
+        return self._top
 
     def allocate(self, nbytes: int, stream: Stream) -> Block:
         with self.lock:

@@ -6,11 +6,13 @@ The workers read each file's bytes and draw its geometry with the user's own tra
 same crop windows and flips for the same seed), and hand over an
 :class:`~fastfeed.vision.gpu_decode.EncodedCrop`. On the loader's copy stream, in its helper
 thread, :class:`~fastfeed.vision.gpu_decode.DecodeCrops` decodes the batch with nvJPEG and
-resizes it in a dozen kernels, the conversion and elementwise tail (``ToTensor``,
-``ConvertImageDtype``, ``ToDtype``, ``Normalize``, ``ToPureTensor``) folded into one
-per-channel scale and shift fitted to the user's own objects (:func:`pixel_affine`). A file
-nvJPEG cannot take, and a ``CenterCrop`` that pads, is made by its worker the CPU route's way
-(the same draws) and joins its batch on the GPU.
+resizes it in about ten kernels per group of similar crops, the conversion and elementwise
+tail (``ToTensor``, ``ConvertImageDtype``, ``ToDtype``, ``Normalize``, ``ToPureTensor``)
+folded into one per-channel scale and shift fitted to the user's own objects
+(:func:`pixel_affine`). A file nvJPEG cannot take, and a ``CenterCrop`` that pads, is made by
+its worker the CPU route's way (the same draws) and joins its batch on the GPU; a file nvJPEG
+refuses all the same is decoded on the host with its batch, and one nothing decodes raises,
+naming it.
 
 FastLoader with a device chooses the route (the :mod:`fastfeed.tail` hook); read directly, or
 by another loader, the dataset is the CPU route's. The pixels differ from Pillow's (nvJPEG
@@ -103,7 +105,7 @@ class CropsForGpu:
         geometry = crop_geometry((window.x, window.y, window.w, window.h),
                                  (window.width, window.height), window.bounds, window.flipped,
                                  window.mode)
-        return EncodedCrop(geometry, data=encoded_array(encoded.data))
+        return EncodedCrop(geometry, data=encoded_array(encoded.data), path=encoded.path)
 
 
 class GpuDecodeTransform(FusedTransform):
