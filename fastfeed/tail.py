@@ -18,6 +18,7 @@ The values are those of the per-sample pipeline.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -79,11 +80,24 @@ class TailPlacement:
 def batch_tail_split(dataset: Any, collate_fn: Any, auto_collation: bool
                      ) -> BatchTailSplit | None:
     """The split a dataset's transform offers, where it applies: only with automatic batching
-    and torch's default collate, whose output the tail knows."""
-    if collate_fn is not default_collate or not auto_collation:
+    and torch's default collate, whose output the tail knows.
+
+    Elsewhere the items are made whole in the workers, the per-sample way; for a split whose
+    tail runs only on a device (the GPU decode, which the user asked for by name), with a
+    warning that says so.
+    """
+    offer = getattr(getattr(dataset, "transform", None), "split_batch_tail", None)
+    if not callable(offer):
         return None
-    split = getattr(getattr(dataset, "transform", None), "split_batch_tail", None)
-    return split(dataset) if callable(split) else None
+    split: BatchTailSplit | None = offer(dataset)
+    if collate_fn is default_collate and auto_collation:
+        return split
+    if split is not None and split.collate is None:
+        why = "a collate_fn of its own" if auto_collation else "batch_size=None"
+        warnings.warn(f"fastfeed: this loader has {why}, so the dataset's batches cannot be "
+                      "finished on the device (the GPU decode): its items are made whole in "
+                      "the workers, on the CPU", stacklevel=2)
+    return None
 
 
 def place_tail(split: BatchTailSplit | None, on_device: bool, worker_mode: str

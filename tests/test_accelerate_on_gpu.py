@@ -23,7 +23,7 @@ except Exception as error:  # missing, or built for another torch (a RuntimeErro
     pytest.skip(f"needs torchvision: {error}", allow_module_level=True)
 from PIL import Image  # noqa: E402
 from test_accelerate import MEAN, PIPELINES, STD, Recorder, sample_folder  # noqa: E402
-from torch.utils.data import DataLoader  # noqa: E402
+from torch.utils.data import DataLoader, default_collate  # noqa: E402
 from torchvision import datasets  # noqa: E402
 from torchvision import transforms as T  # noqa: E402
 
@@ -299,6 +299,27 @@ def test_the_option_needs_a_cuda_loader(root, gpu, decoder):
     own = FastImageFolder(root)
     with pytest.warns(UserWarning, match="backend='nvjpeg'"):
         assert accelerate(own, decode_device="cuda") is own
+
+
+@pytest.mark.parametrize("options", [
+    {"batch_size": 4, "collate_fn": lambda items: default_collate(items)},
+    {"batch_size": None},
+], ids=["own-collate", "no-batching"])
+def test_without_torchs_collate_the_workers_decode_and_say_so(options, root, gpu, decoder):
+    """The GPU's tail finishes what torch's default collate gives: with anything else, the
+    CPU route's items, and a warning (never a silent change of route)."""
+    stock = datasets.ImageFolder(str(root), transform=PIPELINES["v1-train"]())
+    torch.manual_seed(0)
+    want = list(DataLoader(accelerate(stock), **options))
+    torch.manual_seed(0)
+    with pytest.warns(UserWarning, match="made whole in the workers, on the CPU"):
+        got = list(FastLoader(on_gpu(stock), device="cuda", **options))
+    assert decoder.calls == 0
+    gpu.run()
+    for batch, expected in zip(got, want, strict=True):
+        assert torch.equal(gpu.read(batch[0]), expected[0])
+        assert torch.equal(gpu.read(batch[1]) if isinstance(batch[1], torch.Tensor)
+                           else torch.tensor(batch[1]), torch.as_tensor(expected[1]))
 
 
 @pytest.mark.parametrize("name", ON_GPU)
