@@ -34,6 +34,20 @@ def assert_same(a: Any, b: Any, path: str = "batch") -> None:
         assert a == b, f"{path}: {a!r} != {b!r}"
 
 
+def outcomes(loader: Any) -> list[tuple[Any, ...]]:
+    """Every batch (as a list) or error (its type and first line) of an epoch, in order,
+    iteration going on after an error as torch allows."""
+    results: list[tuple[Any, ...]] = []
+    iterator = iter(loader)
+    while True:
+        try:
+            results.append(("batch", next(iterator).tolist()))
+        except StopIteration:
+            return results
+        except Exception as error:  # the tests compare them
+            results.append(("error", type(error).__name__, str(error).splitlines()[0]))
+
+
 def run_epochs(loader: DataLoader, epochs: int, seed: int) -> list[list[Any]]:
     """Iterate ``epochs`` epochs, reseeding the global RNGs first so both loaders see the same."""
     torch.manual_seed(seed)

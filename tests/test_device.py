@@ -5,7 +5,7 @@ import gc
 
 import pytest
 import torch
-from helpers import assert_same, compare
+from helpers import assert_same, compare, outcomes
 from sample_datasets import (
     DetectionDataset,
     FailingDataset,
@@ -27,18 +27,6 @@ def test_cpu_device_gives_the_same_batches(num_workers, dataset):
             fast={"device": "cpu", "prefetch_depth": 3}, epochs=2)
 
 
-def outcomes(loader):
-    """Every batch and error of an epoch, in order, iteration going on after an error."""
-    results, iterator = [], iter(loader)
-    while True:
-        try:
-            results.append(("batch", next(iterator).tolist()))
-        except StopIteration:
-            return results
-        except (KeyError, ValueError) as error:
-            results.append(("error", str(error).splitlines()[0]))
-
-
 class FailsOnBatch:
     """A gpu_transform that raises on the batch holding ``bad``."""
 
@@ -58,14 +46,14 @@ def test_an_error_comes_in_its_batch_turn_with_a_device(num_workers):
     stage reads ahead of the consumer)."""
     kwargs = {"batch_size": 2, "num_workers": num_workers}
     expected = outcomes(DataLoader(FailingDataset(bad=5), **kwargs))
-    assert [kind for kind, _ in expected] == ["batch", "batch", "error", "batch", "batch", "batch"]
+    assert [kind for kind, *_ in expected] == ["batch", "batch", "error", "batch", "batch", "batch"]
     got = outcomes(FastLoader(FailingDataset(bad=5), device="cpu", prefetch_depth=3, **kwargs))
     assert got == expected
     refused = outcomes(FastLoader(FailingDataset(bad=-1), device="cpu", prefetch_depth=3,
                                   gpu_transform=FailsOnBatch(6), **kwargs))
     assert refused == [("batch", [0, 1]), ("batch", [2, 3]), ("batch", [4, 5]),
-                       ("error", "transform refused the batch with 6"), ("batch", [8, 9]),
-                       ("batch", [10, 11])]
+                       ("error", "ValueError", "transform refused the batch with 6"),
+                       ("batch", [8, 9]), ("batch", [10, 11])]
 
 
 def test_gpu_transform_on_cpu_matches_reference():

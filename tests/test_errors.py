@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import outcomes
 from procs import alive, assert_no_leaks, child_pids, new_shm, shm_entries, snapshot, wait_until
 from sample_datasets import (
     FailingDataset,
@@ -26,19 +27,6 @@ from torch.utils.data import DataLoader
 from fastfeed import FastLoader
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def outcomes(loader):
-    """Every batch or error of an epoch, continuing after errors as torch allows."""
-    results, iterator = [], iter(loader)
-    while True:
-        try:
-            results.append(("batch", next(iterator).tolist()))
-        except StopIteration:
-            return results
-        except Exception as error:  # the test compares them
-            message = str(error).split("\n")[0]
-            results.append(("error", type(error).__name__, message))
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
