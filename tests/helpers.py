@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -84,3 +86,15 @@ def compare(
             assert_same(x, y, f"epoch {e} batch {i}")
             count += 1
     return count
+
+
+@contextlib.contextmanager
+def host_syncs_raise() -> Iterator[None]:
+    """On a real GPU, from a synchronised start: any host sync inside raises (torch's sync
+    debug mode), where it would otherwise pass unseen."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

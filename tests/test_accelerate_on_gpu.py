@@ -21,6 +21,7 @@ try:
     import torchvision
 except Exception as error:  # missing, or built for another torch (a RuntimeError)
     pytest.skip(f"needs torchvision: {error}", allow_module_level=True)
+from helpers import host_syncs_raise  # noqa: E402
 from PIL import Image  # noqa: E402
 from test_accelerate import MEAN, PIPELINES, STD, Recorder, sample_folder  # noqa: E402
 from torch.utils.data import DataLoader, default_collate  # noqa: E402
@@ -394,11 +395,7 @@ def test_on_a_gpu_the_resize_never_syncs(root):
     batch = encoded_collate([crops[i] for i in range(8)])[0]
     decoded = torchvision.io.decode_jpeg(
         [torch.from_numpy(data) for data in batch["encoded"]], device="cuda")
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with host_syncs_raise():
         images = resize_crops(decoded, batch["geometry"][batch["order"] >= 0],
                               fast.transform.affine)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     assert images.is_cuda and images.dtype == torch.float32

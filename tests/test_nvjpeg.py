@@ -11,6 +11,7 @@ import numpy as np
 import nvjpeg_model
 import pytest
 import torch
+from helpers import host_syncs_raise
 from nvjpeg_model import decode_with_pillow
 from PIL import Image
 
@@ -368,14 +369,10 @@ def test_gpu_decode_matches_the_cpu_and_waits_for_nothing(tmp_path):
     from torchvision.io import decode_jpeg
 
     decoded = decode_jpeg([torch.from_numpy(d) for d in batch[0]["encoded"]], device="cuda")
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        from fastfeed.vision.resample import resize_crops
+    from fastfeed.vision.resample import resize_crops
 
+    with host_syncs_raise():
         resize_crops(decoded, batch[0]["geometry"])
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
 
 
 @pytest.mark.gpu

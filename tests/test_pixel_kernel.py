@@ -10,6 +10,7 @@ import re
 import numpy as np
 import pytest
 import torch
+from helpers import host_syncs_raise
 from test_pixel_ops import pack, random_images, random_matrices
 from test_pixel_ops_launches import Ops
 from torch.utils._python_dispatch import _disable_current_modes
@@ -202,10 +203,6 @@ def test_on_a_gpu_the_kernel_never_waits_for_the_device():
     ops = PixelOps(truncate_hsv=True)
     ops(dict(on_gpu))  # builds the kernel
     assert ops.fused is True
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with host_syncs_raise():
         out = ops(dict(on_gpu))
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     assert out["img"].shape == (4, 3, 64, 64)

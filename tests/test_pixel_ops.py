@@ -5,6 +5,7 @@ CPU. (Their comparison with OpenCV runs in the client environment: ``test_ultral
 import numpy as np
 import pytest
 import torch
+from helpers import host_syncs_raise
 
 from fastfeed.ultralytics import pixel_ops
 from fastfeed.ultralytics.pixel_ops import (
@@ -160,12 +161,8 @@ def test_pixel_ops_never_wait_for_the_device():
              LUT_KEY: torch.arange(256, dtype=torch.uint8).expand(2, 3, 256).contiguous().cuda(),
              SIZE_KEY: (64, 64)}
     ops(dict(batch))  # the first call makes the per-device tables
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with host_syncs_raise():
         out = ops(dict(batch))
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     assert out["img"].shape == (2, 3, 64, 64) and out["img"].is_cuda
 
 
