@@ -26,7 +26,7 @@ __version__ = "0.1.0"
 __all__ = ["SKIP", "FastLoader", "LoaderStats", "__version__", "worker_info"]
 
 # Subpackages reached as attributes: each is imported when first named.
-_LAZY = ("bench", "cluster", "doctor", "integrations", "transforms", "ultralytics", "vision")
+_LAZY = ("backends", "bench", "doctor", "integrations", "transforms", "ultralytics", "vision")
 
 # Hidden from type checkers, which would take every name the package lacks for one it has
 # (they see the subpackages where they are imported).

@@ -282,16 +282,18 @@ class Telemetry:
 
     def add_stage(self, stage: str, seconds: float) -> None:
         with self._lock:
-            self.stage_s[stage] += seconds
-            self.stage_batches[stage] += 1
+            self._add_stage_locked(stage, seconds)
+
+    def _add_stage_locked(self, stage: str, seconds: float) -> None:
+        self.stage_s[stage] += seconds
+        self.stage_batches[stage] += 1
 
     def record_produced(self, produced: Produced, by_worker: bool = True) -> None:
         """A worker's (or the main process's) timings and skips for one batch."""
         with self._lock:
             self.skipped += produced.skipped
-            for stage, seconds in (("fetch", produced.fetch_s), ("collate", produced.collate_s)):
-                self.stage_s[stage] += seconds
-                self.stage_batches[stage] += 1
+            self._add_stage_locked("fetch", produced.fetch_s)
+            self._add_stage_locked("collate", produced.collate_s)
             if by_worker:
                 self.worker_busy_s += produced.fetch_s + produced.collate_s
 

@@ -50,5 +50,12 @@ def recommend(options: list[Option], consumer: float, model: float | None
     """
     measured = [_with_gpu_share(o, consumer, model) if o.gpu_work else o for o in options]
     chosen = [o for o in measured if o.change and o.speedup >= MIN_SPEEDUP
-              and (o.training_speedup is None or o.training_speedup >= MIN_SPEEDUP)]
+              and not gpu_cost_outweighs(o)]
     return measured, sorted(chosen, key=lambda o: o.speedup, reverse=True)
+
+
+def gpu_cost_outweighs(option: Option) -> bool:
+    """Whether the loader alone gains, but the GPU time the option's own work takes from the
+    model step leaves training without the gain."""
+    return (option.speedup >= MIN_SPEEDUP and option.training_speedup is not None
+            and option.training_speedup < MIN_SPEEDUP)

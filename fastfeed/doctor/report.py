@@ -10,8 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 from fastfeed.doctor.findings import Diagnosis, Option, Stage
+from fastfeed.doctor.recommend import gpu_cost_outweighs
 from fastfeed.doctor.system import CPU_BOUND, SATURATED
-from fastfeed.doctor.verdict import COMPUTE_BOUND, MIN_SPEEDUP
+from fastfeed.doctor.verdict import COMPUTE_BOUND
 
 __all__ = ["format_report"]
 
@@ -76,16 +77,25 @@ def _stages(title: str, stages: list[Stage], unit_total: bool) -> list[str]:
     return lines
 
 
+def _others(s: dict[str, Any]) -> float:
+    """Cores in use by processes outside this training (machine_cores_used is known)."""
+    return max(0.0, s["machine_cores_used"] - (s.get("cores_used") or 0.0))
+
+
+def _all_busy(s: dict[str, Any]) -> bool:
+    machine, cores = s.get("machine_cores_used"), s.get("cpu_cores")
+    return machine is not None and cores is not None and cores > 0 and (
+        machine >= SATURATED * cores)
+
+
 def _cores(s: dict[str, Any]) -> str:
     """The cores, what this training used of them, and what the machine did besides."""
     line = f"{s.get('cpu_cores')} CPU cores"
     ours, machine = s.get("cores_used"), s.get("machine_cores_used")
     if machine is not None and ours is not None:
-        others = max(0.0, machine - ours)
-        full = (": all busy" if s.get("cpu_cores") and machine >= SATURATED * s["cpu_cores"]
-                else "")
-        return (line + f", {machine:.1f} in use ({ours:.1f} by this training, {others:.1f} by "
-                f"other processes{full})")
+        full = ": all busy" if _all_busy(s) else ""
+        return (line + f", {machine:.1f} in use ({ours:.1f} by this training, "
+                f"{_others(s):.1f} by other processes{full})")
     return line + (f", {ours:.1f} in use by this training" if ours is not None else "")
 
 
@@ -111,13 +121,10 @@ def _system(d: Diagnosis) -> list[str]:
 def _saturated(s: dict[str, Any]) -> list[str]:
     """What CPU-bound workers on all-busy cores mean: they wait for a core, not for work,
     however low their own share of CPU reads."""
-    machine, cores = s.get("machine_cores_used"), s.get("cpu_cores")
     busy, waiting = s.get("worker_busy"), s.get("worker_waiting")
-    if (machine is None or not cores or machine < SATURATED * cores or busy is None
-            or waiting is None or busy + waiting < CPU_BOUND):
+    if not _all_busy(s) or busy is None or waiting is None or busy + waiting < CPU_BOUND:
         return []
-    others = max(0.0, machine - (s.get("cores_used") or 0.0))
-    return [f"  The workers are CPU-bound on cores that were all in use ({others:.1f} of them "
+    return [f"  The workers are CPU-bound on cores that were all in use ({_others(s):.1f} of them "
             f"by other processes): they waited for a core {100 * waiting:.0f}% of the time. "
             "More workers would share the same cores; less CPU work per sample (the stages "
             "above), or fewer other processes, would help."]
@@ -140,8 +147,7 @@ def _options(d: Diagnosis) -> list[str]:
         note = f"; {o.note}" if o.note else ""
         gain = ("" if o.key in recommended else
                 "  (not recommended: the GPU time it takes from the model step outweighs it)"
-                if o.training_speedup is not None and o.speedup >= MIN_SPEEDUP else
-                "  (no gain measured)")
+                if gpu_cost_outweighs(o) else "  (no gain measured)")
         lines.append(f"  {o.speedup:5.2f}×  {o.change.ljust(width)}  {_same(o)}{note}{gain}")
     if not options:
         lines.append("  (no fastfeed option applies to this loader)")

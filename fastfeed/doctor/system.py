@@ -146,7 +146,6 @@ class ProcessTimes:
     """One process of a tree, as /proc gave it.
 
     Attributes:
-        parent: its parent's pid.
         started: when it started, in seconds after boot (a reused pid is another process).
         cpu_s: user and system time of its threads.
         reaped_s: user and system time of the children it has waited for, theirs included.
@@ -154,7 +153,6 @@ class ProcessTimes:
         zombie: it has ended, and its parent has not waited for it yet.
     """
 
-    parent: int
     started: float
     cpu_s: float
     reaped_s: float
@@ -162,12 +160,15 @@ class ProcessTimes:
     zombie: bool
 
 
+_READ_TRIES = 3
+
+
 def _times(pid: int) -> ProcessTimes | None:
     f = _fields(pid)
     if f is None:
         return None
     zombie = f[0] == "Z"
-    return ProcessTimes(parent=int(f[1]), started=int(f[19]) / _TICKS,
+    return ProcessTimes(started=int(f[19]) / _TICKS,
                         cpu_s=(int(f[11]) + int(f[12])) / _TICKS,  # utime + stime
                         reaped_s=(int(f[13]) + int(f[14])) / _TICKS,  # cutime + cstime
                         run_delay_s=None if zombie else _run_delay_s(pid), zombie=zombie)
@@ -192,14 +193,13 @@ class ProcessTree:
     at: float | None
 
     @classmethod
-    def read(cls, root: int | None = None, memory: bool = True, tries: int = 3
-             ) -> ProcessTree:
+    def read(cls, root: int | None = None, memory: bool = True) -> ProcessTree:
         """Read the tree of ``root`` (default: this process), with each live member's memory
         if ``memory``. A child its parent waits for between the reading of the two would be
-        counted twice or not at all: the reading is taken again (up to ``tries`` times) when
-        the tree changed while it was read."""
+        counted twice or not at all: the reading is taken again (up to :data:`_READ_TRIES`
+        times) when the tree changed while it was read."""
         root = os.getpid() if root is None else root
-        for _ in range(tries):
+        for _ in range(_READ_TRIES):
             at, family = _uptime_s(), _family(root)
             members = {pid: t for pid in family if (t := _times(pid)) is not None}
             if len(members) == len(family) and _family(root) == family:
@@ -243,12 +243,6 @@ class Usage:
     worker_waiting: float | None
     main_memory_mb: float | None
     workers_memory_mb: float | None
-
-    def other_cores_used(self) -> float | None:
-        """Cores in use by processes outside the tree."""
-        if self.machine_cores_used is None or self.cores_used is None:
-            return None
-        return max(0.0, self.machine_cores_used - self.cores_used)
 
 
 def _waiting(start: ProcessTree, end: ProcessTree, workers: list[int]) -> float | None:
