@@ -36,7 +36,7 @@ Box = tuple[int, int, int, int]  # x, y, width, height in source pixels
 
 _JPEG_MAGIC = b"\xff\xd8"
 # Start-of-frame markers: SOF0-3, 5-7, 9-11 and 13-15 (C4 is DHT, C8 reserved, CC DAC).
-_FRAME_MARKERS = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
+FRAME_MARKERS = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
 # Markers without a length field: TEM, the restart markers RST0-7, and a stuffed zero.
 _BARE_MARKERS = frozenset((0x00, 0x01, *range(0xD0, 0xD8)))
 _SCAN, _END = 0xDA, 0xD9
@@ -56,13 +56,18 @@ def _is_jpeg(data: bytes) -> bool:
     return data[:2] == _JPEG_MAGIC
 
 
+def jpeg_ends(data: bytes) -> bool:
+    """Whether ``data`` is a JPEG that ends: its end-of-image marker, before any zero
+    padding (a truncated file has none)."""
+    return _is_jpeg(data) and data[-64:].rstrip(b"\x00").endswith(b"\xff\xd9")
+
+
 def _window_decodable(data: bytes) -> bool:
-    """Whether the window decoder may take ``data``: a JPEG that ends (its end-of-image
-    marker, before any zero padding), and Pillow not told to load truncated images. The
-    window decoder never reads the rows below the window, so it would load a truncated file
-    that Pillow (and torchvision) refuse, or refuse one Pillow is told to load."""
-    return (_is_jpeg(data) and data[-64:].rstrip(b"\x00").endswith(b"\xff\xd9")
-            and not ImageFile.LOAD_TRUNCATED_IMAGES)
+    """Whether the window decoder may take ``data``: a JPEG that ends, and Pillow not told to
+    load truncated images. The window decoder never reads the rows below the window, so it
+    would load a truncated file that Pillow (and torchvision) refuse, or refuse one Pillow is
+    told to load."""
+    return jpeg_ends(data) and not ImageFile.LOAD_TRUNCATED_IMAGES
 
 
 def jpeg_frame_size(data: bytes) -> tuple[int, int]:
@@ -87,7 +92,7 @@ def jpeg_frame_size(data: bytes) -> tuple[int, int]:
         marker, length = data[at], int.from_bytes(data[at + 1:at + 3], "big")
         if marker in _BARE_MARKERS:
             at += 1
-        elif marker in _FRAME_MARKERS:
+        elif marker in FRAME_MARKERS:
             if at + 8 > end:
                 break
             height = int.from_bytes(data[at + 4:at + 6], "big")

@@ -59,8 +59,15 @@ import torch
 
 from fastfeed import pinning
 from fastfeed._torch_compat import default_collate
-from fastfeed.vision.decode import DecodeError, decode_resized_crop, image_size
-from fastfeed.vision.resample import FIELDS, UINT8, PixelAffine, resize_crops
+from fastfeed.device import pinned_source
+from fastfeed.vision.decode import (
+    FRAME_MARKERS,
+    DecodeError,
+    decode_resized_crop,
+    image_size,
+    jpeg_ends,
+)
+from fastfeed.vision.resample import FIELDS, UINT8, PixelAffine, crop_geometry, resize_crops
 
 __all__ = ["DecodeCrops", "EncodedCrop", "JpegDecoder", "NvjpegDecoder", "collate_crops",
            "decode_stream", "encoded_collate", "gpu_decodable"]
@@ -71,7 +78,6 @@ logger = logging.getLogger(__name__)
 _NVJPEG_FRAMES = (0xC0, 0xC1, 0xC2)
 # Markers without a length field: TEM, the restart markers, SOI and EOI.
 _STANDALONE = {0x01, *range(0xD0, 0xDA)}
-_FRAMES = set(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}  # the start-of-frame markers
 _APP0, _APP14, _SOS = 0xE0, 0xEE, 0xDA
 # The luma sampling factors (H, V) of 4:4:4, 4:2:2, 4:2:0 and 4:4:0, with chroma at 1x1.
 _NVJPEG_SAMPLING = {(1, 1), (2, 1), (2, 2), (1, 2)}
@@ -101,12 +107,12 @@ def _header(data: bytes) -> _Header:
         if marker == _SOS:
             break
         end = i + 2 + int.from_bytes(data[i + 2 : i + 4], "big")
-        body = data[i + 4 : end] if marker in _FRAMES or marker in (_APP0, _APP14) else b""
+        body = data[i + 4 : end] if marker in FRAME_MARKERS or marker in (_APP0, _APP14) else b""
         if marker == _APP0 and body.startswith(b"JFIF\0"):
             header.jfif = True
         elif marker == _APP14 and body.startswith(b"Adobe") and len(body) >= 12:
             header.adobe_transform = body[11]
-        elif marker in _FRAMES and len(body) >= 6:
+        elif marker in FRAME_MARKERS and len(body) >= 6:
             header.frame, header.precision = marker, body[0]
             header.components = tuple((body[j], body[j + 1] >> 4, body[j + 1] & 15)
                                       for j in range(6, min(len(body) - 1, 6 + 3 * body[5]), 3))
@@ -132,7 +138,7 @@ def gpu_decodable(data: bytes) -> bool:
     rest are rare) and a JPEG that libjpeg reads as RGB (an Adobe marker's transform 0: no
     decoder documents whether nvJPEG honours it, and a mistake would be silent, in the
     colours) are the CPU's."""
-    if data[:2] != b"\xff\xd8" or not data[-64:].rstrip(b"\x00").endswith(b"\xff\xd9"):
+    if not jpeg_ends(data):
         return False
     header = _header(data)
     if header.frame not in _NVJPEG_FRAMES or header.precision != 8:
@@ -152,7 +158,7 @@ class EncodedCrop:
     Attributes:
         geometry: the crop (:func:`fastfeed.vision.resample.crop_geometry`); for ``pixels``,
             the whole of them (a flip there still applies).
-        data: the encoded file (writable uint8), for the GPU to decode.
+        data: the encoded file (uint8), for the GPU to decode.
         pixels: uint8 ``3×H×W``, decoded by the worker (a file nvJPEG cannot take).
         path: the file's name, for errors.
     """
@@ -162,10 +168,16 @@ class EncodedCrop:
     pixels: torch.Tensor | None = None
     path: str = "<bytes>"
 
+    @classmethod
+    def encoded(cls, data: bytes, geometry: np.ndarray, path: str) -> EncodedCrop:
+        """A file for the GPU, as the bytes read (no copy: the ring copies them anyway)."""
+        return cls(geometry, data=np.frombuffer(data, dtype=np.uint8), path=path)
 
-def encoded_array(data: bytes) -> np.ndarray:
-    """The file as a writable uint8 array (torch warns on a read-only one)."""
-    return np.frombuffer(data, dtype=np.uint8).copy()
+    @classmethod
+    def decoded(cls, pixels: torch.Tensor) -> EncodedCrop:
+        """A crop the worker made: ``pixels`` whole."""
+        size = (pixels.shape[2], pixels.shape[1])
+        return cls(crop_geometry((0, 0, *size), size), pixels=pixels)
 
 
 def collate_crops(crops: list[EncodedCrop]) -> dict[str, Any]:
@@ -304,7 +316,10 @@ class DecodeCrops:
                ) -> list[torch.Tensor]:
         """The files decoded on ``device``, in order; those the decoder refuses, on the
         host."""
-        files = [torch.from_numpy(data) for data in encoded]
+        # torch warns on a read-only array: the bytes as a worker read them (thread workers,
+        # the dataset read directly) are; a ring slot is not
+        files = [torch.from_numpy(data if data.flags.writeable else data.copy())
+                 for data in encoded]
         try:
             return self.decoder(files, device)
         except torch.OutOfMemoryError:
@@ -321,7 +336,7 @@ class DecodeCrops:
                 image = _decoded_on_host(file.numpy(), path, error)
                 refused.append(f"{path} ({error})")
                 # from page-locked memory, asynchronously, on the current (copy) stream
-                images.append(image.pin_memory().to(device, non_blocking=True)
+                images.append(pinned_source(image).to(device, non_blocking=True)
                               if device.type == "cuda" else image)
         if refused:
             logger.warning("the GPU's JPEG decoder refused %d file(s) of a batch, decoded on "

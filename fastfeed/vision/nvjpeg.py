@@ -27,7 +27,6 @@ from fastfeed.vision.folder import ImageFolder
 from fastfeed.vision.gpu_decode import (
     DecodeCrops,
     EncodedCrop,
-    encoded_array,
     encoded_collate,
     gpu_decodable,
 )
@@ -55,11 +54,10 @@ class EncodedImageFolder(ImageFolder):
                 data = f.read()
             if gpu_decodable(data):
                 box = self._box(*image_size(data, path))
-                crop = EncodedCrop(crop_geometry(box, size), data=encoded_array(data),
-                                   path=str(path))
+                crop = EncodedCrop.encoded(data, crop_geometry(box, size), str(path))
             else:
-                pixels = decode_resized_crop(data, self._box, size, path, self.roi_decode)
-                crop = EncodedCrop(crop_geometry((0, 0, *size), size), pixels=pixels)
+                crop = EncodedCrop.decoded(
+                    decode_resized_crop(data, self._box, size, path, self.roi_decode))
         except DecodeError:
             if self.on_error == "skip":
                 return SKIP

@@ -35,7 +35,6 @@ from fastfeed.vision.decode import image_size
 from fastfeed.vision.gpu_decode import (
     DecodeCrops,
     EncodedCrop,
-    encoded_array,
     encoded_collate,
     gpu_decodable,
 )
@@ -98,14 +97,12 @@ class CropsForGpu:
                             f"{type(encoded).__name__}: keep the dataset's loader")
         width, height = image_size(encoded.data, encoded.path)
         if not gpu_decodable(encoded.data) or needs_padding(self.plan.geometry, width, height):
-            pixels = self.on_cpu(encoded)
-            size = (pixels.shape[2], pixels.shape[1])
-            return EncodedCrop(crop_geometry((0, 0, *size), size), pixels=pixels)
+            return EncodedCrop.decoded(self.on_cpu(encoded))
         window = draw_window(self.plan.geometry, width, height)
         geometry = crop_geometry((window.x, window.y, window.w, window.h),
                                  (window.width, window.height), window.bounds, window.flipped,
                                  window.mode)
-        return EncodedCrop(geometry, data=encoded_array(encoded.data), path=encoded.path)
+        return EncodedCrop.encoded(encoded.data, geometry, encoded.path)
 
 
 class GpuDecodeTransform(FusedTransform):
