@@ -238,14 +238,13 @@ class FastLoader(DataLoader):
 
     def _iterator_setup(self) -> IteratorSetup:
         """Everything fastfeed decides for the next iterator (see ``iterators/setup.py``)."""
-        terms = self._device_stage.terms(self._stage_options())
         options = PoolOptions(
             worker_mode=self.worker_mode, ray_options=self.ray_options,
             ring_slots=self.ring_slots, deterministic=self.deterministic,
             autotune=self.autotune, max_workers=self._max_workers,
-            on_device=self.device is not None, held_by_stage=terms.held_batches,
-            stage_times_delivery=terms.times_delivery)
-        return self._planner.setup(self, options, terms.copy_device)
+            on_device=self.device is not None,
+            terms=self._device_stage.terms(self._stage_options()))
+        return self._planner.setup(self, options)
 
     def state_dict(self) -> dict[str, Any]:
         """Return a snapshot from which :meth:`load_state_dict` resumes at the next batch.

@@ -12,7 +12,7 @@ from fastfeed.device.copiers import Copier, HostCopier, StreamCopier, pinned_sou
 from fastfeed.device.pinned import PinnedIterator
 from fastfeed.device.prefetch import DeviceIterator, HostIterator, TorchIteratorHost
 from fastfeed.device.resolve import check_device, resolve_device
-from fastfeed.device.stage import DeviceStage, HostTerms, StageOptions
+from fastfeed.device.stage import DeviceStage, StageOptions
 
 __all__ = [
     "Copier",
@@ -20,7 +20,6 @@ __all__ = [
     "DeviceStage",
     "HostCopier",
     "HostIterator",
-    "HostTerms",
     "PinnedIterator",
     "StageOptions",
     "StreamCopier",

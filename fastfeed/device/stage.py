@@ -12,8 +12,9 @@ consumer, from the loader's arguments (:class:`StageOptions`):
 * ``device="cuda"``: the same with a :class:`~fastfeed.device.copiers.StreamCopier` on the
   loader's copy stream (one per loader), its slots page-locked for that GPU.
 
-What the stage asks of the host iterators it will wrap (:class:`HostTerms`) is known before
-they are made: :meth:`DeviceStage.terms`.
+What the stage asks of the host iterators it will wrap
+(:class:`~fastfeed.iterators.setup.HostTerms`) is known before they are made:
+:meth:`DeviceStage.terms`.
 
 The transforms run on the device in order: the tail of what the workers make (a dataset's
 batch tail), then ``gpu_transform``, seeded from the iterator's base seed. The stage also
@@ -34,9 +35,10 @@ from fastfeed.device.pinned import PinHelper, PinnedIterator
 from fastfeed.device.prefetch import DeviceIterator, HostIterator, TorchIteratorHost
 from fastfeed.device.resolve import resolve_device
 from fastfeed.iterators import BaseIterator
+from fastfeed.iterators.setup import HostTerms
 from fastfeed.telemetry import GpuSampler, Telemetry
 
-__all__ = ["PINNED_AHEAD", "DeviceStage", "HostTerms", "StageOptions"]
+__all__ = ["PINNED_AHEAD", "DeviceStage", "StageOptions"]
 
 # Batches pinned ahead of the consumer with pin_memory=True and no device: the pool's tasks in
 # flight are the read-ahead; a pinned copy takes milliseconds, so two cover a step that asks
@@ -64,23 +66,6 @@ class StageOptions:
     gpu_transform: Callable[[Any], Any] | None = None
     num_workers: int = 0
     auto_collation: bool = True
-
-
-@dataclass(frozen=True)
-class HostTerms:
-    """What the device stage asks of the host iterators it will wrap.
-
-    Attributes:
-        copy_device: the CUDA device fastfeed copies batches to itself (``device="cuda"``):
-            it owns and fences every copy out of a slot, so slots may be page-locked for it.
-            None otherwise.
-        held_batches: host batches the stage holds at once; their slots stay out of the ring.
-        times_delivery: the stage measures the consumer's wait itself.
-    """
-
-    copy_device: int | None = None
-    held_batches: int = 0
-    times_delivery: bool = False
 
 
 class _Chain:

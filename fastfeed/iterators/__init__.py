@@ -4,13 +4,20 @@ loader, or to the device stage through the contract of :class:`BaseIterator`."""
 
 from fastfeed.iterators.base import BaseIterator, HostBatch, Position
 from fastfeed.iterators.pool import WorkerPoolIterator
-from fastfeed.iterators.setup import CarryOver, IteratorPlanner, IteratorSetup, PoolOptions
+from fastfeed.iterators.setup import (
+    CarryOver,
+    HostTerms,
+    IteratorPlanner,
+    IteratorSetup,
+    PoolOptions,
+)
 from fastfeed.iterators.single import SingleProcessIterator
 
 __all__ = [
            "BaseIterator",
            "CarryOver",
            "HostBatch",
+           "HostTerms",
            "IteratorPlanner",
            "IteratorSetup",
            "PoolOptions",

@@ -239,7 +239,7 @@ class BaseIterator:
             self._exhausted = True
             raise
         self._num_yielded += 1
-        if self._setup.record_delivery:
+        if not self._setup.terms.times_delivery:
             self._telemetry.delivered(requested, batch_length(data.batch, self._auto_collation))
         self._after_delivery()
         if self._iterable and self._len_called is not None and self._num_yielded > self._len_called:

@@ -94,7 +94,7 @@ class WorkerPoolIterator(BaseIterator):
 
     def _size_ring(self) -> None:
         if self.ring is not None:
-            self.ring.max_slots = slot_budget(self._max_tasks, self._setup.held_by_prefetch,
+            self.ring.max_slots = slot_budget(self._max_tasks, self._setup.terms.held_batches,
                                               self._setup.ring_slots)
 
     @property

@@ -25,7 +25,24 @@ from fastfeed.ring import SlotRing, ring_supported
 from fastfeed.tail import TailPlacement, batch_tail_split, place_tail
 from fastfeed.telemetry import Telemetry
 
-__all__ = ["CarryOver", "IteratorPlanner", "IteratorSetup", "PoolOptions"]
+__all__ = ["CarryOver", "HostTerms", "IteratorPlanner", "IteratorSetup", "PoolOptions"]
+
+
+@dataclass(frozen=True)
+class HostTerms:
+    """What the device stage asks of the host iterators it will wrap.
+
+    Attributes:
+        copy_device: the CUDA device fastfeed copies batches to itself (``device="cuda"``):
+            it owns and fences every copy out of a slot, so slots may be page-locked for it.
+            None otherwise.
+        held_batches: host batches the stage holds at once; their slots stay out of the ring.
+        times_delivery: the stage measures the consumer's wait itself.
+    """
+
+    copy_device: int | None = None
+    held_batches: int = 0
+    times_delivery: bool = False
 
 
 @dataclass
@@ -54,11 +71,9 @@ class IteratorSetup:
     ray_options: dict[str, Any] | None = None  # where Ray actors go (worker_mode="ray")
     tuner: WorkerTuner | None = None
     ring: SlotRing | None = None  # the loader's ring, for process workers
-    held_by_prefetch: int = 0  # host batches the device stage holds on to
     ring_slots: int | None = None
     deterministic: bool = False
-    # False when a device stage wraps the iterator: it measures the consumer's wait itself.
-    record_delivery: bool = True
+    terms: HostTerms = field(default_factory=HostTerms)  # the device stage's, if any
     # Where a dataset whose tail runs on whole batches has it run (see fastfeed.tail): what the
     # workers read and collate with, and what finishes their batches (same batches).
     tail: TailPlacement = field(default_factory=TailPlacement)
@@ -72,8 +87,7 @@ class PoolOptions:
         worker_mode: ``"process"``, ``"thread"``, ``"ray"`` or ``"auto"``.
         max_workers: with ``autotune``, the most workers the tuner may start.
         on_device: a ``device`` was given: batches are finished on it.
-        held_by_stage: host batches the device stage holds at once (their slots stay out).
-        stage_times_delivery: the device stage measures the consumer's wait itself.
+        terms: what the device stage asks of the iterator.
     """
 
     worker_mode: str = "process"
@@ -83,8 +97,7 @@ class PoolOptions:
     autotune: bool = False
     max_workers: int = 0
     on_device: bool = False
-    held_by_stage: int = 0
-    stage_times_delivery: bool = False
+    terms: HostTerms = field(default_factory=HostTerms)
 
 
 class IteratorPlanner:
@@ -102,10 +115,8 @@ class IteratorPlanner:
         self.ring: SlotRing | None = None  # one per loader, made on first use
         self._decided_mode = False
 
-    def setup(self, loader: DataLoader, options: PoolOptions, copy_device: int | None
-              ) -> IteratorSetup:
-        """Everything fastfeed decides for ``loader``'s next iterator; ``copy_device`` is the
-        CUDA device fastfeed copies batches to itself, if any (its slots are page-locked)."""
+    def setup(self, loader: DataLoader, options: PoolOptions) -> IteratorSetup:
+        """Everything fastfeed decides for ``loader``'s next iterator."""
         # Replicas of an IterableDataset shard by worker count: keep it fixed.
         tuner = None
         if options.autotune and not is_iterable_dataset(loader.dataset):
@@ -120,11 +131,10 @@ class IteratorPlanner:
             worker_mode=worker_mode,
             ray_options=options.ray_options,
             tuner=tuner,
-            ring=self._ring(worker_mode, options.ring_slots, copy_device),
-            held_by_prefetch=options.held_by_stage,
+            ring=self._ring(worker_mode, options.ring_slots, options.terms.copy_device),
             ring_slots=options.ring_slots,
             deterministic=options.deterministic,
-            record_delivery=not options.stage_times_delivery,
+            terms=options.terms,
             tail=place_tail(split, on_device=options.on_device, worker_mode=worker_mode),
         )
 
