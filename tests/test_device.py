@@ -257,3 +257,16 @@ def test_device_ring_slots_are_page_locked():
     slots = list(loader._planner.ring._slots.values())
     assert slots and all(slot.pinned for slot in slots)
     assert all(torch.from_numpy(slot.memory).is_pinned() for slot in slots)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_without_batching_each_item_counts_as_one_sample_with_a_device(num_workers):
+    """batch_size=None: each item is one sample in the stats, with a device as without (a
+    3×8×8 item is not three samples)."""
+    counts = []
+    for device in (None, "cpu"):
+        loader = FastLoader(TensorDataset(n=8), batch_size=None, num_workers=num_workers,
+                            device=device)
+        assert len(list(loader)) == 8
+        counts.append(loader.stats().samples)
+    assert counts == [8, 8]

@@ -42,7 +42,7 @@ import torch
 
 from fastfeed._torch_compat import pin_memory
 from fastfeed.device.prefetch import AheadOfConsumer, HostIterator
-from fastfeed.telemetry import Telemetry, batch_length
+from fastfeed.telemetry import Telemetry
 
 __all__ = ["PinHelper", "PinnedIterator", "pin_batch"]
 
@@ -182,9 +182,7 @@ class PinnedIterator(AheadOfConsumer):
 
     def __init__(self, host: HostIterator, ahead: int, telemetry: Telemetry,
                  auto_collation: bool = True) -> None:
-        super().__init__(host)
-        self._telemetry = telemetry
-        self._auto_collation = auto_collation
+        super().__init__(host, telemetry, auto_collation)
         self._ended = False
         self.helper: PinHelper | None = None
         if ahead:
@@ -211,7 +209,7 @@ class PinnedIterator(AheadOfConsumer):
             if isinstance(item, _Raised):
                 raise item.error
             batch = item.batch
-        self._telemetry.delivered(requested, batch_length(batch, self._auto_collation))
+        self._delivered(requested, batch)
         return batch
 
     def _next_item(self) -> _Item:

@@ -39,11 +39,24 @@ class HostIterator(Protocol):
 
 class AheadOfConsumer:
     """What an iterator that readies its host's batches ahead of the consumer shares: a
-    snapshot resumes after the last batch delivered, not the last one readied."""
+    snapshot resumes after the last batch delivered, not the last one readied; the consumer's
+    wait is measured here, the host iterator's own measure being off.
 
-    def __init__(self, host: HostIterator) -> None:
+    Args:
+        host: the iterator whose batches are readied.
+        telemetry: the loader's.
+        auto_collation: the loader batches samples itself (how samples are counted).
+    """
+
+    def __init__(self, host: HostIterator, telemetry: Telemetry, auto_collation: bool) -> None:
         self._host = host
         self._delivered_at = host.position()  # where the host stood after handing it over
+        self._telemetry = telemetry
+        self._auto_collation = auto_collation
+
+    def _delivered(self, requested: float, batch: Any) -> None:
+        """Record a batch handed to the consumer, asked for at ``requested``."""
+        self._telemetry.delivered(requested, batch_length(batch, self._auto_collation))
 
     def __len__(self) -> int:
         return len(self._host)
@@ -72,11 +85,11 @@ class DeviceIterator(AheadOfConsumer):
         copier: Copier,
         depth: int,
         transform: Callable[[Any], Any] | None,
-        telemetry: Telemetry | None = None,
+        telemetry: Telemetry,
+        auto_collation: bool = True,
     ) -> None:
-        super().__init__(host)
+        super().__init__(host, telemetry, auto_collation)
         self._copier = copier
-        self._telemetry = telemetry or Telemetry()
         self._depth = depth
         self._transform = transform
         self._helper = (ThreadPoolExecutor(1, thread_name_prefix="fastfeed-copy")
@@ -128,7 +141,7 @@ class DeviceIterator(AheadOfConsumer):
         batch, event = copied.result() if isinstance(copied, Future) else copied
         if event is not None:
             self._copier.hand_over(batch, event)
-        self._telemetry.delivered(requested, batch_length(batch, auto_collation=True))
+        self._delivered(requested, batch)
         self._fill()  # queue the next copies now, so that they overlap the consumer's step
         return batch
 

@@ -178,4 +178,5 @@ class DeviceStage:
         # The tail of what the workers make (persistent workers keep the first iterator's)
         # runs first, on the copy stream.
         transform = _chain(source.device_tail, gpu_transform)
-        return DeviceIterator(source, copier, options.prefetch_depth, transform, self._telemetry)
+        return DeviceIterator(source, copier, options.prefetch_depth, transform, self._telemetry,
+                              options.auto_collation)
