@@ -115,8 +115,8 @@ class DeviceStage:
         """What the stage will ask of the next host iterator (see :class:`HostTerms`)."""
         target = self.target(options.device)
         if target is not None:  # ready batches, plus the one being copied
-            return HostTerms(target.index if target.type == "cuda" else None,
-                             held_batches=options.prefetch_depth + 1, times_delivery=True)
+            return HostTerms(self._cuda_index(), held_batches=options.prefetch_depth + 1,
+                             times_delivery=True)
         ahead = self._pinned_ahead(options)
         if ahead is None:
             return HostTerms()
@@ -142,10 +142,13 @@ class DeviceStage:
         """The sampler of the GPU the batches go to (the current device when fastfeed copies
         nothing), made on first use."""
         if self._gpu_sampler is None:
-            target = self._target
-            self._gpu_sampler = GpuSampler(
-                target.index if target is not None and target.type == "cuda" else None)
+            self._gpu_sampler = GpuSampler(self._cuda_index())
         return self._gpu_sampler
+
+    def _cuda_index(self) -> int | None:
+        """The CUDA device the batches go to (resolved); None for another device, or none."""
+        target = self._target
+        return target.index if target is not None and target.type == "cuda" else None
 
     def wrap(self, host: Any, options: StageOptions) -> Any:
         """What the consumer iterates for ``host`` (a FastLoader iterator, or torch's for a
