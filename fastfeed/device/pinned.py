@@ -41,7 +41,8 @@ from typing import Any
 import torch
 
 from fastfeed._torch_compat import pin_memory
-from fastfeed.device.prefetch import AheadOfConsumer, HostIterator
+from fastfeed.device.prefetch import AheadOfConsumer
+from fastfeed.iterators import BaseIterator
 from fastfeed.telemetry import Telemetry
 
 __all__ = ["PinHelper", "PinnedIterator", "pin_batch"]
@@ -94,7 +95,7 @@ class _Queue:
             self.changed.notify_all()
 
 
-def _pin_ahead(host: HostIterator, queue: _Queue, cuda_index: int | None) -> None:
+def _pin_ahead(host: BaseIterator, queue: _Queue, cuda_index: int | None) -> None:
     """The helper's loop: pull, pin, queue, until the epoch ends or the queue is stopped."""
     torch.set_num_threads(1)  # this thread's count alone, as torch's pin thread sets it
     if cuda_index is not None:
@@ -129,7 +130,7 @@ class PinHelper:
     iterator, whose loss (a ``break``) stops it.
     """
 
-    def __init__(self, host: HostIterator, ahead: int) -> None:
+    def __init__(self, host: BaseIterator, ahead: int) -> None:
         self.queue = _Queue(ahead)
         self._host = weakref.ref(host)  # to interrupt its waits; the thread holds it
         # The training thread's GPU, where CUDA is in use (asking would initialise it).
@@ -154,7 +155,7 @@ class PinHelper:
             self._thread.join(timeout)
 
 
-def _pull(host: HostIterator) -> _Item:
+def _pull(host: BaseIterator) -> _Item:
     try:
         host_batch = host.next_host_batch()
         # The copy reads the slot while host_batch holds it; then the lease goes with it.
@@ -180,7 +181,7 @@ class PinnedIterator(AheadOfConsumer):
         auto_collation: the loader batches samples itself (how samples are counted).
     """
 
-    def __init__(self, host: HostIterator, ahead: int, telemetry: Telemetry,
+    def __init__(self, host: BaseIterator, ahead: int, telemetry: Telemetry,
                  auto_collation: bool = True) -> None:
         super().__init__(host, telemetry, auto_collation)
         self._ended = False

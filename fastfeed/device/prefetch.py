@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections import deque
 from collections.abc import Callable
@@ -31,8 +30,6 @@ class HostIterator(Protocol):
     def state_at(self, position: Any) -> Any: ...
 
     def close(self) -> None: ...
-
-    def waits_interrupted(self) -> contextlib.AbstractContextManager[None]: ...
 
     def __len__(self) -> int: ...
 
@@ -167,9 +164,6 @@ class TorchIteratorHost:
 
     def close(self) -> None:
         pass
-
-    def waits_interrupted(self) -> contextlib.AbstractContextManager[None]:
-        return contextlib.nullcontext()
 
     def __len__(self) -> int:
         return len(self._iterator)
