@@ -1,11 +1,13 @@
 """Failures are loud and clean (DESIGN.md invariant 5), and behave as torch's do."""
 
+import contextlib
 import gc
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from functools import partial
 from pathlib import Path
@@ -269,3 +271,38 @@ def test_ultralytics_patch_without_ultralytics_says_what_to_install():
     with pytest.raises(ImportError, match=r"pip install 'fastfeed\[ultralytics\]'"):
         fu.patch()
     assert not fu.is_patched()
+
+
+def test_an_iterator_collected_in_a_cycle_closes_only_its_own_pipes():
+    """An abandoned iterator in a reference cycle is stopped by the cyclic collector. Its
+    queues' pipes are closed once; no thread closes their fd numbers again later, when they
+    may belong to another object (here, pipes made right after the collection)."""
+    def feeders():
+        return sum(t.name == "QueueFeederThread" for t in threading.enumerate())
+
+    gc.collect()
+    baseline = feeders()
+    # One batch for two workers: the second worker's queue gets its first message (Stop) at
+    # the collection.
+    loader = FastLoader(TensorDataset(n=4), batch_size=4, num_workers=2)
+    iterator = iter(loader)
+    next(iterator)
+    iterator.cycle = iterator  # left to the cyclic collector, not to reference counting
+    del iterator, loader
+    gc.collect()
+    pipes = [os.pipe() for _ in range(16)]  # they take the fd numbers freed
+    try:
+        wait_until(lambda: feeders() <= baseline, timeout=10)
+        closed = []
+        for fds in pipes:
+            for fd in fds:
+                try:
+                    os.fstat(fd)
+                except OSError:
+                    closed.append(fd)
+        assert closed == [], f"closed by another thread: {closed}"
+    finally:
+        for fds in pipes:
+            for fd in fds:
+                with contextlib.suppress(OSError):
+                    os.close(fd)

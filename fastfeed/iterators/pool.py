@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import operator
 import time
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -71,6 +72,13 @@ class WorkerPoolIterator(BaseIterator):
         backend = make_backend(setup.worker_mode, self.ring, loader.multiprocessing_context,
                                setup.ray_options, setup.tail.landing_tail)
         self._crew = WorkerCrew(backend, self._book, self.ring, self._timeout)
+        # Dropped without close() (a break, an error, an abandoned epoch), the iterator's
+        # workers are stopped by a finaliser that holds the crew, not by __del__: collected
+        # in a reference cycle, a __del__ would hand queues the collector has already
+        # condemned to new feeder threads, and the collector would then close their pipes
+        # under those threads, which later close the same fd numbers, reused by then.
+        dropped = weakref.finalize(self, self._crew.shutdown, False)
+        dropped.atexit = False
         self._table = self._crew.table
         self._telemetry.worker_mode = backend.kind
         self._telemetry.ring = self.ring
@@ -280,7 +288,3 @@ class WorkerPoolIterator(BaseIterator):
 
     def _shutdown_workers(self) -> None:
         self._crew.shutdown()
-
-    def __del__(self) -> None:
-        if hasattr(self, "_crew"):
-            self._crew.shutdown(wait=False)
