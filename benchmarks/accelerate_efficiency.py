@@ -8,7 +8,7 @@ Configurations, each in a fresh process (one warm-up epoch, then ``--epochs`` ti
   epoch, ``dataset[i]`` only (no collate): the float items the user's transform gives, and the
   same items stopped at uint8 (``defer_tail=True``). The per-core limit.
 - ``fastfeed-1w`` / ``fastfeed-2w``: ``FastLoader`` over the accelerated dataset, 1 or 2 worker
-  processes, float batches (the tail runs on whole batches, into the ring slot).
+  processes, float batches (the tail runs on whole batches, into the pool slot).
 - ``per-sample-1w`` / ``per-sample-2w``: the same with a ``collate_fn`` that only calls
   ``default_collate``, which keeps FastLoader from splitting off the tail: each item is a float
   tensor, collated afterwards (what FastLoader did before).

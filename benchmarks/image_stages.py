@@ -20,8 +20,8 @@ import torch
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from fastfeed.vision.decode import _jpeg, jpeg_frame_size, resize
 from fastfeed.vision.synthetic import make_imagefolder
+from fastfeed.vision.window_decode import _jpeg, jpeg_frame_size, resize
 
 
 def ms_per_call(fn: Callable[[object], object], items: list, rounds: int = 5) -> float:

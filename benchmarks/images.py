@@ -6,7 +6,7 @@ Classification (224 px random-resized crop + flip) and detection (640 letterbox 
 - ``stock``: torch's DataLoader, a dataset that decodes the whole image with Pillow, crops,
   resizes (bilinear), flips and converts to a CHW tensor; ``default_collate``.
 - ``fastfeed``: FastLoader + ``fastfeed.vision`` (window decode with libjpeg-turbo, HWC->CHW
-  gather into the ring), process workers.
+  gather into the slot pool), process workers.
 - ``fastfeed-pillow``: the same without the window decoder (Pillow ``draft`` only).
 - ``fastfeed-threads``: fastfeed with thread workers.
 - ``fastfeed-nvjpeg`` (on a GPU, classification only): workers read bytes, the GPU decodes.
@@ -38,8 +38,8 @@ from fastfeed.bench.data import PlainPILFolder, PlainPILYolo
 from fastfeed.progress import progress
 from fastfeed.vision import ImageCollate, ImageFolder, YoloCollate, YoloDataset
 from fastfeed.vision.augment import random_resized_crop_box
-from fastfeed.vision.decode import decode_resized_crop
 from fastfeed.vision.synthetic import make_imagefolder, make_yolo
+from fastfeed.vision.window_decode import decode_resized_crop
 
 
 def ensure_data(root: Path, images: int, detection: int) -> tuple[Path, Path]:

@@ -8,14 +8,14 @@ between processes, handing them over) and not decoding:
   default, far larger than the caches), shuffled, persistent workers; beside the loaders, the
   same run measures the bound: batches/s of gathering random samples with ``torch.stack`` in
   two processes of one thread each, and in one process with one thread per core, into one
-  reused output tensor and, as a loader must, into as many outputs as its ring has slots.
+  reused output tensor and, as a loader must, into as many outputs as its slot pool has slots.
 
 The consumer reads one byte of every 4 KiB page of each batch, as a host-to-device copy would
 touch every page.
 
 Each measurement runs in its own process (clean peak RSS), the two loaders interleaved, and
 the medians of ``--repeats`` runs are reported as a ratio. On a GPU, the script also measures
-host-to-device bandwidth from the ring against the pinned cudaMemcpy peak.
+host-to-device bandwidth from the slot pool against the pinned cudaMemcpy peak.
 
     python benchmarks/overhead.py                  # the RESULTS.md table
     python benchmarks/overhead.py --quick          # a fast smoke run
@@ -170,7 +170,7 @@ def memcpy_bound(nbytes: int, repeats: int = 10) -> float:
 
 
 def h2d_figures(batch_size: int, repeats: int = 5) -> dict:
-    """On a GPU: H2D GB/s from the ring against a pinned cudaMemcpy of the same size."""
+    """On a GPU: H2D GB/s from the slot pool against a pinned cudaMemcpy of the same size."""
     nbytes = batch_size * 3 * 224 * 224
     device = torch.device("cuda")
     pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
@@ -191,7 +191,7 @@ def h2d_figures(batch_size: int, repeats: int = 5) -> dict:
                         pin_memory=True, persistent_workers=True)
     ring_rates = []
     for i, batch in enumerate(loader):
-        if i >= 5:  # the ring learns the batch size on the first batches
+        if i >= 5:  # the slot pool learns the batch size on the first batches
             assert batch.is_pinned(), "ring batch is not page-locked"
             ring_rates.append(nbytes / copy_seconds(batch) / 1e9)
         if len(ring_rates) == repeats * 4:

@@ -96,7 +96,7 @@ def _patch_fastfeed(stand_in: StandIn) -> None:
 
         pinned.pin_batch = stand_in  # type: ignore[assignment]
     except ImportError:  # a tree from before issue 41: the iterators pinned in next()
-        import fastfeed.iterators.base as base
+        import fastfeed.iterators.base_iterator as base
 
         base.pin_memory = stand_in  # type: ignore[attr-defined]
 

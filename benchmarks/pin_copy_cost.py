@@ -1,7 +1,7 @@
-"""What `pin_memory=True` costs now that a ring slot is never handed to the user pinned.
+"""What `pin_memory=True` costs now that a pool slot is never handed to the user pinned.
 
 With `pin_memory=True` and no `device=`, the user drives the copy to the GPU, and torch guards
-only pinned memory it allocated; so fastfeed copies each batch out of its (pageable) ring slot
+only pinned memory it allocated; so fastfeed copies each batch out of its (pageable) pool slot
 into torch's pinned pool, as the stock loader's pin thread does (docs/how-it-works.md). This
 measures that one host copy per batch: a memcpy into a reused destination (torch's caching host
 allocator reuses its blocks), for the batches of the CNN pipelines in RESULTS.md. On a machine

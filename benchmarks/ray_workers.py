@@ -10,7 +10,7 @@ the price of Ray itself next to process workers on the same cores. Each case run
   crops, and the batch tail (ToTensor's scaling, Normalize) runs on whole batches in the main
   process, as it would on the GPU with ``device="cuda"``. uint8 crosses the object store.
 - ``f32``: the same without ``device``: float batches. Process workers finish them into the
-  ring slot; Ray's actors ship uint8 batches, and the main process computes the float batch
+  pool slot; Ray's actors ship uint8 batches, and the main process computes the float batch
   into the slot as it lands each one (the tail at landing), so uint8 crosses here too.
 - ``overhead``: ``benchmarks/overhead.py``'s case, the loader's own cost: 16 pre-made uint8
   3×224×224 samples cycled, no decoding, batch 128, the consumer touching every page.

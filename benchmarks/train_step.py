@@ -100,7 +100,7 @@ def main() -> None:
     parser.add_argument("--size", type=int, help="image side in pixels")
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--steps", type=int, default=50)
-    # FastLoader sends its first prefetch_factor × workers batches before the ring knows the
+    # FastLoader sends its first prefetch_factor × workers batches before the slot pool knows the
     # batch size; warm up past them so that steady state is measured.
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=3)

@@ -173,7 +173,7 @@ def pixel_difference(root: Path, imgsz: int, images: int = 100) -> str:
     import cv2
     from ultralytics.utils.patches import imread
 
-    from fastfeed.ultralytics.decode import _decode, target_size
+    from fastfeed.ultralytics.reduced_decode import _decode, target_size
 
     means = []
     for path in sorted((root / "images").glob("*.jpg"))[:images]:
@@ -285,7 +285,7 @@ def profile_samples(root: Path, imgsz: int, samples: int = 320) -> str:
         # Indices wrap: a small --images set still gives the 20 warm-up and ``samples`` timed.
         for i in range(20):  # fill the mosaic buffer
             dataset[i % len(dataset)]
-        empty = _reused_empty()  # as a loader's ring slots, written again batch after batch
+        empty = _reused_empty()  # as a loader's pool slots, written again batch after batch
         # CPU time, not wall time: the figures hold while other work shares the machine.
         profiler = cProfile.Profile(time.process_time)
         start = time.process_time()

@@ -9,7 +9,7 @@ loss values every step, so the GPU has finished the step by then). A first epoch
 then ``--epochs`` are timed; the table gives, per configuration, the medians over every timed
 epoch of every run of images/s and of the stall (waited / epoch time), and for FastLoader
 configurations what its ``stats()`` say: ms per batch of each stage (on CUDA, the host's time
-to enqueue the copy and the GPU ops), the workers' busy share, the ring's size and, where NVML
+to enqueue the copy and the GPU ops), the workers' busy share, the slot pool's size and, where NVML
 answers, how busy the GPU was.
 
 Configurations: ``stock``; ``patched`` (``fastfeed.ultralytics.patch()``); ``fast``

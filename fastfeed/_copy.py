@@ -1,4 +1,4 @@
-"""The hot copy: gather samples into a ring slot.
+"""The hot copy: gather samples into a pool slot.
 
 ``fastfeed._gather`` does it with the GIL released and several threads for large batches. Where the
 extension was not built, ``torch.stack(out=...)`` does the same work in one thread, so results

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from fastfeed._torch_compat import is_iterable_dataset
-from fastfeed.backends.ray.options import actor_options
+from fastfeed.backends.ray.cluster import actor_options
 
 __all__ = ["WORKER_MODES", "check_arguments", "cores_warning_muted"]
 

@@ -24,8 +24,8 @@ import torch
 
 from fastfeed._copy import bytes_are_values
 from fastfeed.protocol import Encoded
-from fastfeed.ring.arena import Arena
-from fastfeed.ring.slots import Lease
+from fastfeed.slots.arena import Arena
+from fastfeed.slots.pool import Lease
 
 __all__ = ["SlotArray", "SlotTensor", "ToPlace", "Unplaced", "decode", "encode",
            "slot_bytes_needed"]
@@ -298,8 +298,8 @@ class _SlotUnpickler(pickle.Unpickler):
 
 def decode(message: Encoded, lease: Lease | None) -> Any:
     """Main side: rebuild the batch; its arrays are views of the lease's memory (see
-    :meth:`fastfeed.ring.SlotRing.lease`), which they keep alive, and the lease records them
-    (:attr:`Lease.views <fastfeed.ring.Lease>`)."""
+    :meth:`fastfeed.slots.SlotPool.lease`), which they keep alive, and the lease records them
+    (:attr:`Lease.views <fastfeed.slots.Lease>`)."""
     memory = None if lease is None else lease.memory
     placed = pickle.loads(message.placed) if message.placed else {}
     unpickler = _SlotUnpickler(io.BytesIO(message.payload), memory, placed)

@@ -1,4 +1,4 @@
-"""Collating into a ring slot: one protocol, whatever the ``collate_fn``.
+"""Collating into a pool slot: one protocol, whatever the ``collate_fn``.
 
 A worker with a slot collates with ``collate_into(samples, empty)``, where ``empty(shape,
 dtype)`` returns a tensor in the slot (or an ordinary one when the slot is full). Three kinds

@@ -1,6 +1,6 @@
 """Fetchers: turn an index (or a batch of indices) into samples, exactly as torch does.
 
-Collation is left to the caller, so that workers can collate straight into a ring slot.
+Collation is left to the caller, so that workers can collate straight into a pool slot.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from fastfeed._copy import extension_loaded
 from fastfeed._imports import importable
 from fastfeed.autotune import available_cpus
 from fastfeed.nvml import nvml_status
-from fastfeed.ring import ring_supported
+from fastfeed.slots import slots_supported
 from fastfeed.vision.libjpeg import describe as describe_window_decoder
 
 __all__ = ["collect", "format_report", "pillow_is_simd"]
@@ -88,7 +88,7 @@ def collect() -> dict[str, str]:
         "YOLO HSV kernel": _yolo_kernel("_hsv", "HSV"),
         "YOLO shared cache": "fastfeed._flags" if importable("fastfeed._flags")
         else "not built: patch(cache='shared') is off",
-        "ring": "memfd slots" if ring_supported() else "unsupported here: ordinary path",
+        "shared-memory slots": "memfd" if slots_supported() else "unsupported here: ordinary path",
         "CUDA": f"{torch.version.cuda} ({torch.cuda.device_count()} device(s))"
         if cuda
         else f"not available (torch built for CUDA {torch.version.cuda})"

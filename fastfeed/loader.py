@@ -22,7 +22,7 @@ from fastfeed._torch_compat import (
 )
 from fastfeed.arguments import check_arguments, cores_warning_muted
 from fastfeed.autotune import initial_workers
-from fastfeed.backends.ray.options import cluster_workers
+from fastfeed.backends.ray.cluster import cluster_workers
 from fastfeed.device import DeviceStage, StageOptions, check_device
 from fastfeed.iterators import (
     IteratorPlanner,
@@ -51,8 +51,8 @@ class FastLoader(DataLoader):
     ``isinstance(loader, DataLoader)`` or rebuild a loader from its attributes keep working.
 
     With ``num_workers > 0`` it uses its own worker pool. Workers collate each batch directly
-    into a slot of a shared-memory ring and send only a small message; the main process
-    rebuilds the batch as tensors that are views of that slot. A slot returns to the ring only
+    into a slot of a pool of shared-memory slots and send only a small message; the main process
+    rebuilds the batch as tensors that are views of that slot. A slot returns to the slot pool only
     when nothing references the batch any more. When every slot is in use, a worker writes
     its batch into shared memory of its own, freed with the batch: nothing is ever overwritten.
 
@@ -61,14 +61,15 @@ class FastLoader(DataLoader):
         pin_memory, drop_last, timeout, worker_init_fn, multiprocessing_context, generator,
         prefetch_factor, persistent_workers, pin_memory_device, in_order: as in
             :class:`torch.utils.data.DataLoader`.
-        ring_slots (int, optional): how many ring slots the worker pool may allocate. ``None``
+        ring_slots (int, optional): how many shared-memory slots (the slot pool; the name is
+            historical) the workers may collate into. ``None``
             (default) allocates ``prefetch_factor * num_workers + 2``: enough for every
             in-flight task, the batch being returned and the one the training loop still
-            holds (plus ``prefetch_depth + 1`` with ``device``). ``0`` disables the ring.
+            holds (plus ``prefetch_depth + 1`` with ``device``). ``0`` disables the slot pool.
             Memory is about ``ring_slots`` times the size of one batch's tensors (plus 25 %
             headroom once batch sizes vary).
         device (str or torch.device, optional): deliver batches on this device. With CUDA,
-            every tensor of a batch is copied ``non_blocking`` from its page-locked ring slot
+            every tensor of a batch is copied ``non_blocking`` from its page-locked pool slot
             on a side stream created once per loader, ``prefetch_depth`` batches ahead; the
             consumer's current stream waits on the copy. A bare ``"cuda"`` means, at the
             first iteration: the only GPU the process sees; else the one the script chose
@@ -192,7 +193,7 @@ class FastLoader(DataLoader):
         self._telemetry = Telemetry(self.log_every,
                                     describe=partial(_summary, weakref.ref(self)))
         self._device_stage = DeviceStage(self._telemetry)
-        self._planner = IteratorPlanner(self._telemetry)  # the ring, what carries over
+        self._planner = IteratorPlanner(self._telemetry)  # the slot pool, what carries over
         self._live_iterator: Callable[[], Any] = lambda: None
 
     def __setattr__(self, name: str, value: Any) -> None:

@@ -3,7 +3,7 @@ threads) and for ``num_workers=0``, so that a feature cannot work in one mode an
 not in another.
 
 fetch the samples (reseeded per sample with ``deterministic=True``) → drop the skipped ones →
-note the IterableDataset's ``state_dict()`` → collate (into the task's ring slot, if any) →
+note the IterableDataset's ``state_dict()`` → collate (into the task's pool slot, if any) →
 encode the batch for the trip to the main process (if it has a slot).
 """
 
@@ -24,8 +24,8 @@ from fastfeed.collate import as_collate_into
 from fastfeed.fetch import Fetcher, make_fetcher
 from fastfeed.protocol import Produced, WorkerConfig
 from fastfeed.resume import has_snapshot_protocol
-from fastfeed.ring.arena import WorkerSlots
 from fastfeed.skip import drop_skipped
+from fastfeed.slots.arena import WorkerSlots
 
 __all__ = ["Producer", "sample_seed", "seed_all"]
 
@@ -63,7 +63,7 @@ class Producer:
 
     Args:
         config: the worker's configuration (the dataset, collate, seeds).
-        slots: the worker's mappings of the ring (process workers with a ring), else None:
+        slots: the worker's mappings of the slot pool (process workers with a slot pool), else None:
             batches are then returned as they are.
         in_main_process: reseeding for ``deterministic=True`` leaves the global generators as
             they were (a worker process owns its generators; the main process does not).
@@ -91,7 +91,7 @@ class Producer:
                                      config.drop_last, reseed)
 
     def produce(self, index: Any, slot_id: int | None = None) -> Produced:
-        """The batch of ``index``, in ring slot ``slot_id`` when there is a ring.
+        """The batch of ``index``, in pool slot ``slot_id`` when there is a slot pool.
 
         Raises:
             StopIteration: an IterableDataset replica is exhausted.

@@ -108,7 +108,7 @@ class WorkerConfig:
 
 @dataclass(frozen=True)
 class Task:
-    """Load the batch of ``index``; write it into ring slot ``slot_id`` (None: a slot of the
+    """Load the batch of ``index``; write it into pool slot ``slot_id`` (None: a slot of the
     worker's own)."""
 
     seq: int
@@ -130,11 +130,11 @@ class Stop:
     """Exit once the tasks queued before this are done."""
 
 
-# -- main process -> worker: the control pipe (process workers with a ring) ------------------
+# -- main process -> worker: the control pipe (process workers with a slot pool) ------------------
 
 @dataclass(frozen=True)
 class SlotAdded:
-    """A new ring slot, and its file descriptor (a number of the sending process's; the pipe
+    """A new pool slot, and its file descriptor (a number of the sending process's; the pipe
     carries the descriptor itself, and the receiver gets its own number for it)."""
 
     slot_id: int
@@ -144,7 +144,7 @@ class SlotAdded:
 
 @dataclass(frozen=True)
 class SlotDropped:
-    """Unmap this slot: the ring dropped it (it was smaller than batches now need)."""
+    """Unmap this slot: the slot pool dropped it (it was smaller than batches now need)."""
 
     slot_id: int
 
@@ -181,7 +181,7 @@ class Shipped:
         payload: the pickled structure.
         buffers: the memory of its storages and arrays, out of band (``PickleBuffer`` on the
             actor, views of the object store once Ray has moved them).
-        nbytes: at least the bytes the batch takes in a ring slot: its buffers, each aligned
+        nbytes: at least the bytes the batch takes in a pool slot: its buffers, each aligned
             as the codec aligns what it places.
     """
 

@@ -47,7 +47,7 @@ class LoaderStats:
             ``gpu_transform`` (the host side of launching it).
         workers: current worker count; ``worker_mode``: ``"process"`` or ``"thread"``.
         worker_utilization: share of the workers' wall time spent fetching and collating.
-        ring_slots_used, ring_slots, ring_mb: ring occupancy now (the ring grows as tasks need
+        ring_slots_used, ring_slots, ring_mb: ring occupancy now (the slot pool grows as tasks need
             slots, up to its budget: ``ring_slots`` may be below the loader's ``ring_slots``).
         skipped_samples: samples dropped by an ``on_error="skip"`` policy.
         gpu: NVML's reading of this loader's GPU over ``elapsed_s`` (mean utilisation, peak
@@ -81,12 +81,12 @@ class LoaderStats:
         return self.batches / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
     def summary(self) -> str:
-        """One line: throughput, stall, workers, ring, GPU."""
+        """One line: throughput, stall, workers, slots in use, GPU."""
         gpu = (", ".join(f"gpu{g.index} {g.utilization:.0f}%" for g in self.gpu)
                if self.gpu else "gpu n/a")
         return (f"{self.samples_per_s:,.0f} samples/s, {self.batches_per_s:.1f} batches/s, "
                 f"stall {100 * self.wait_fraction:.1f}%, {self.workers} {self.worker_mode} "
-                f"workers ({100 * self.worker_utilization:.0f}% busy), ring "
+                f"workers ({100 * self.worker_utilization:.0f}% busy), slots "
                 f"{self.ring_slots_used}/{self.ring_slots}, {gpu}")
 
     def postfix(self) -> dict[str, str]:
@@ -104,7 +104,7 @@ class LoaderStats:
             f"per batch (ms): {stages}",
             f"workers: {self.workers} ({self.worker_mode}), "
             f"{100 * self.worker_utilization:.0f}% busy",
-            f"ring: {self.ring_slots_used}/{self.ring_slots} slots in use, {self.ring_mb:.1f} MB",
+            f"slots: {self.ring_slots_used}/{self.ring_slots} slots in use, {self.ring_mb:.1f} MB",
             f"skipped samples: {self.skipped_samples}",
         ]
         if self.gpu:
@@ -260,7 +260,7 @@ class Telemetry:
         self.log_every = log_every
         self.describe = describe
         self.worker_mode = "process"
-        self.ring: Any = None  # the live iterator's SlotRing, for occupancy
+        self.slot_pool: Any = None  # the live iterator's SlotPool, for occupancy
         self._lock = threading.Lock()
         self.reset()
 
@@ -333,7 +333,7 @@ class Telemetry:
     def snapshot(self, workers: int, gpu: GpuSampler) -> LoaderStats:
         """The counters as :class:`LoaderStats`, for a loader with ``workers`` workers."""
         elapsed = self.elapsed
-        used, allocated = self.ring.occupancy if self.ring is not None else (0, 0)
+        used, allocated = self.slot_pool.occupancy if self.slot_pool is not None else (0, 0)
         return LoaderStats(
             batches=self.batches,
             samples=self.samples,
@@ -347,7 +347,7 @@ class Telemetry:
             if elapsed > 0 and workers else 0.0,
             ring_slots_used=used,
             ring_slots=allocated,
-            ring_mb=(self.ring.nbytes / 2**20) if self.ring is not None else 0.0,
+            ring_mb=(self.slot_pool.nbytes / 2**20) if self.slot_pool is not None else 0.0,
             skipped_samples=self.skipped,
             gpu=(gpu.reading(self.first_request, self.last_delivery)
                  if self.first_request is not None and self.last_delivery is not None else []),

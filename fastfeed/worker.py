@@ -40,8 +40,8 @@ from fastfeed.protocol import (
     Task,
     WorkerConfig,
 )
-from fastfeed.ring.arena import WorkerSlots
-from fastfeed.ring.control import ControlPipe
+from fastfeed.slots.arena import WorkerSlots
+from fastfeed.slots.control import ControlPipe
 
 __all__ = ["worker_info", "worker_loop"]
 

@@ -3,7 +3,7 @@ import signal
 import sys
 from pathlib import Path
 
-# Misusing a ring ticket (a double release) raises in tests instead of being logged.
+# Misusing a slot pool ticket (a double release) raises in tests instead of being logged.
 os.environ["FASTFEED_STRICT_RING"] = "1"
 
 # A suite started in the background by a shell without job control (`nohup ... &`) inherits

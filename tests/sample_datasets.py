@@ -16,7 +16,7 @@ Point = namedtuple("Point", ["x", "y"])
 
 
 class TensorDataset(Dataset):
-    """Fixed-size uint8 images and int labels: the ring's fast path."""
+    """Fixed-size uint8 images and int labels: the slot pool's fast path."""
 
     def __init__(self, n: int = 37, shape: tuple[int, ...] = (3, 8, 8), dtype=torch.uint8):
         self.n, self.shape, self.dtype = n, shape, dtype

@@ -30,8 +30,8 @@ from torchvision.transforms import v2  # noqa: E402
 
 from fastfeed import FastLoader  # noqa: E402
 from fastfeed._torch_compat import default_collate  # noqa: E402
-from fastfeed.ring import Arena  # noqa: E402
-from fastfeed.tail import batch_tail_split, place_tail  # noqa: E402
+from fastfeed.slots import Arena  # noqa: E402
+from fastfeed.tail_split import batch_tail_split, place_tail  # noqa: E402
 from fastfeed.vision import ImageFolder as FastImageFolder  # noqa: E402
 from fastfeed.vision.accelerate import (  # noqa: E402
     BatchTail,
@@ -392,7 +392,7 @@ LOADER_MODES = {
                                   "v1-eval-padded", "v1-uint8", "v1-jitter"])
 def test_accelerated_batches_equal_the_per_sample_pipeline(name, mode, root):
     """Issue 24, parts 1 and 2: FastLoader runs an accelerated dataset's batchable tail on
-    whole batches (in the workers, straight into the ring slot; or on the device), and gives
+    whole batches (in the workers, straight into the pool slot; or on the device), and gives
     exactly the batches of torch's DataLoader over the same dataset, item by item."""
     if mode == "threads" and name != "v1-eval-padded":
         pytest.skip("threads share the global RNGs: the order of random draws varies")

@@ -57,7 +57,7 @@ def test_stack_into_and_collate_into_resolve_lazy_views(kind):
     from torch.utils.data import default_collate
 
     from fastfeed.collate import default_collate_into
-    from fastfeed.ring import Arena
+    from fastfeed.slots import Arena
 
     samples = lazy_views(kind)
     out = torch.empty((5, *samples[0].shape), dtype=samples[0].dtype)

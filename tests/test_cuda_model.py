@@ -8,7 +8,8 @@ import cuda_model
 import torch
 from sample_datasets import TensorDataset
 
-from fastfeed import FastLoader, pinning
+from fastfeed import FastLoader
+from fastfeed.slots import page_lock
 
 CUDA_NAMES = ("is_available", "device_count", "current_device", "is_initialized", "Stream",
               "Event", "stream", "current_stream", "default_stream", "synchronize")
@@ -21,7 +22,7 @@ def current():
     return {**{f"torch.cuda.{n}": getattr(torch.cuda, n) for n in CUDA_NAMES},
             **{f"torch.Tensor.{n}": getattr(torch.Tensor, n) for n in TENSOR_NAMES},
             **{f"torch.{n}": getattr(torch, n) for n in FACTORY_NAMES},
-            "TorchCudaRuntime": pinning.TorchCudaRuntime}
+            "TorchCudaRuntime": page_lock.TorchCudaRuntime}
 
 
 def replaced_in(real):

@@ -150,9 +150,9 @@ def test_no_slot_leaks_across_epochs_on_the_device_path():
             pass
     del _batch
     gc.collect()
-    ring = loader._planner.ring
-    used, allocated = ring.occupancy
-    assert used == 0 and allocated <= ring.max_slots
+    slot_pool = loader._planner.slot_pool
+    used, allocated = slot_pool.occupancy
+    assert used == 0 and allocated <= slot_pool.max_slots
 
 
 # -- on a GPU ---------------------------------------------------------------------------------
@@ -241,8 +241,8 @@ def test_pin_memory_batches_are_pinned_copies():
             address = tensor.data_ptr()
             assert tensor.is_pinned()
             assert not any(s.address <= address < s.address + s.nbytes
-                           for s in loader._planner.ring._slots.values())
-    slots = loader._planner.ring._slots.values()
+                           for s in loader._planner.slot_pool._slots.values())
+    slots = loader._planner.slot_pool._slots.values()
     assert not any(torch.from_numpy(s.memory).is_pinned() for s in slots)
 
 
@@ -254,7 +254,7 @@ def test_device_ring_slots_are_page_locked():
                         persistent_workers=True)
     for _ in range(2):
         list(loader)
-    slots = list(loader._planner.ring._slots.values())
+    slots = list(loader._planner.slot_pool._slots.values())
     assert slots and all(slot.pinned for slot in slots)
     assert all(torch.from_numpy(slot.memory).is_pinned() for slot in slots)
 

@@ -98,11 +98,11 @@ collate_pair, collate_holder, collate_sealed = map(collate_into, (Pair, Holder, 
 @pytest.mark.parametrize("collate", [collate_pair, collate_holder], ids=["dataclass", "object"])
 def test_every_tensor_of_any_container_reaches_the_device(gpu, collate):
     # The user copies what they get (a no-op for a device tensor; for a host view of the slot,
-    # a copy queued behind the slot's fence, which the ring no longer waits for).
+    # a copy queued behind the slot's fence, which the slot pool no longer waits for).
     dataset = TensorDataset(n=48, shape=(3, 8, 8))
     loader = FastLoader(dataset, batch_size=4, num_workers=2, device="cuda", collate_fn=collate,
                         persistent_workers=True)
-    list(loader)  # the ring learns the batch size
+    list(loader)  # the slot pool learns the batch size
     gpu.run()
     got = [(batch.images.to("cuda", non_blocking=True), batch.labels.to("cuda",
                                                                          non_blocking=True))

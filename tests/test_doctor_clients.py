@@ -83,8 +83,8 @@ def test_ultralytics_training_is_diagnosed_by_stage(tmp_path):
 def test_ultralytics_options_are_measured_on_its_loader(tmp_path):
     pytest.importorskip("ultralytics")
     import fastfeed.ultralytics as fu
+    from fastfeed.doctor.candidates import configurations
     from fastfeed.doctor.loaders import LoaderSpec
-    from fastfeed.doctor.options import configurations
     from fastfeed.doctor.trials import TrialPlan, run_trials
 
     loader = yolo_loader(tmp_path)
@@ -114,8 +114,8 @@ def test_gpu_decode_is_offered_on_a_gpu_and_named_without_one(tmp_path):
     import torch
     from torch.utils.data import DataLoader
 
+    from fastfeed.doctor.candidates import configurations
     from fastfeed.doctor.loaders import LoaderSpec
-    from fastfeed.doctor.options import configurations
 
     spec = LoaderSpec.of(DataLoader(classic_folder(tmp_path), batch_size=4))
     configs, unmeasured = configurations(spec, [], torch.device("cuda", 0), None, 4, cuda=True)
@@ -147,8 +147,8 @@ def test_augment_device_is_offered_on_a_gpu_only(tmp_path):
     pytest.importorskip("ultralytics")
     import torch
 
+    from fastfeed.doctor.candidates import configurations
     from fastfeed.doctor.loaders import LoaderSpec
-    from fastfeed.doctor.options import configurations
 
     loader = yolo_loader(tmp_path)
     spec = LoaderSpec.of(loader)

@@ -227,28 +227,28 @@ def test_many_abandoned_iterators_leak_nothing():
             if i == stop:
                 break
 
-    # Every batch of two epochs held at once: the loader's ring reaches its full size (the
+    # Every batch of two epochs held at once: the loader's slot pool reaches its full size (the
     # first batches of the first epoch go out before it knows the batch size).
     list(loader) + list(loader)
-    with_ring = snapshot()
+    with_slot_pool = snapshot()
     for _ in range(30):
         partial_epoch(int(torch.randint(0, 17, (), generator=generator)))
-    assert_no_leaks(with_ring)
+    assert_no_leaks(with_slot_pool)
     # every slot back: none is held by a task that will never run
-    assert wait_until(partial(slots_in_use_settle, loader._planner.ring)), [
-        (slot.state, slot.generation) for slot in loader._planner.ring._slots.values()]
-    del loader, partial_epoch  # the ring is the loader's: it goes with it
+    assert wait_until(partial(slots_in_use_settle, loader._planner.slot_pool)), [
+        (slot.state, slot.generation) for slot in loader._planner.slot_pool._slots.values()]
+    del loader, partial_epoch  # the slot pool is the loader's: it goes with it
     assert_no_leaks(before)
 
 
-def slots_in_use_settle(ring) -> bool:
+def slots_in_use_settle(slot_pool) -> bool:
     gc.collect()
-    return ring.occupancy[0] == 0
+    return slot_pool.occupancy[0] == 0
 
 
 def test_a_break_gives_every_slot_back():
     """Tasks in flight when an epoch is abandoned hold tickets: they return to the loader's
-    ring once the workers are gone, so the ring never fills up with slots nobody owns and
+    ring once the workers are gone, so the slot pool never fills up with slots nobody owns and
     later epochs keep the fast path. (Persistent workers answer them at the next epoch.)"""
     loader = FastLoader(TensorDataset(n=64), batch_size=4, num_workers=2)
     for _ in range(6):
@@ -256,9 +256,9 @@ def test_a_break_gives_every_slot_back():
             if i == 1:
                 break
         del _batch
-        ring = loader._planner.ring
-        assert wait_until(partial(slots_in_use_settle, ring)), ring.occupancy
-    assert ring.occupancy[1] <= ring.max_slots
+        slot_pool = loader._planner.slot_pool
+        assert wait_until(partial(slots_in_use_settle, slot_pool)), slot_pool.occupancy
+    assert slot_pool.occupancy[1] <= slot_pool.max_slots
 
 
 def test_ultralytics_patch_without_ultralytics_says_what_to_install():

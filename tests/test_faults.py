@@ -43,17 +43,17 @@ def test_thousand_abandoned_iterators():
         for _ in range(stop):
             next(iterator)
 
-    # Every batch of two epochs held at once: the loader's ring reaches its full size (the
+    # Every batch of two epochs held at once: the loader's slot pool reaches its full size (the
     # first batches of the first epoch go out before it knows the batch size).
     list(loader) + list(loader)
-    with_ring = snapshot()
+    with_slot_pool = snapshot()
     for _ in range(1000):
         partial_epoch(rng.randrange(0, 9))
     # Each abandoned iterator's workers are reaped after a grace: on a loaded machine (a
     # parallel run) the last of a thousand take longer than the usual 10 s to go.
-    assert_no_leaks(with_ring, timeout=60)
+    assert_no_leaks(with_slot_pool, timeout=60)
     assert threading.active_count() <= threads
-    del loader, partial_epoch  # the ring is the loader's: it goes with it
+    del loader, partial_epoch  # the slot pool is the loader's: it goes with it
     assert_no_leaks(before)
 
 

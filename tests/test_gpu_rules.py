@@ -1,6 +1,6 @@
 """The CUDA rules of the batch path, each held by one small mechanism, checked on a CPU.
 
-No GPU runs these. The ring's own rules are checked with events the tests hold incomplete; the
+No GPU runs these. The slot pool's own rules are checked with events the tests hold incomplete; the
 copy path runs for real on the CUDA device that ``cuda_model`` models: a copy reads a slot by
 address when its stream runs, so a slot rewritten too early shows up as a wrong batch, and the
 runtime behind ``cudaHostRegister`` is the model's (or, for reading its errors back, a real
@@ -24,10 +24,10 @@ from helpers import assert_same
 from sample_datasets import TensorDataset
 from torch.utils.data import DataLoader
 
-import fastfeed.ring.slots as ring_module
+import fastfeed.slots.pool as pool_module
 from fastfeed import FastLoader
-from fastfeed.pinning import Pinner, TorchCudaRuntime
-from fastfeed.ring import Arena, SlotOwnershipError, SlotRing
+from fastfeed.slots import Arena, SlotOwnershipError, SlotPool
+from fastfeed.slots.page_lock import Pinner, TorchCudaRuntime
 from fastfeed.tree import map_tensors
 
 
@@ -50,60 +50,60 @@ class HeldEvent:
         self.complete()
 
 
-# -- the ring: ownership ------------------------------------------------------------------------
+# -- the slot pool: ownership ----------------------------------------------------------------------
 
 def test_a_double_release_raises_and_cannot_free_another_owners_slot():
-    ring = SlotRing(1, slot_bytes=4096)
-    first, _, _ = ring.acquire()
-    ring.release(first)
-    second, _, _ = ring.acquire()
+    slot_pool = SlotPool(1, slot_bytes=4096)
+    first, _, _ = slot_pool.acquire()
+    slot_pool.release(first)
+    second, _, _ = slot_pool.acquire()
     assert second.slot_id == first.slot_id and second != first
     with pytest.raises(SlotOwnershipError, match="stale ticket"):
-        ring.release(first)  # the old owner again: the slot is the second task's now
-    assert ring.occupancy == (1, 1)
-    assert ring.acquire()[0] is None  # still owned: not handed out twice
+        slot_pool.release(first)  # the old owner again: the slot is the second task's now
+    assert slot_pool.occupancy == (1, 1)
+    assert slot_pool.acquire()[0] is None  # still owned: not handed out twice
 
 
 def test_a_stale_release_outside_tests_is_logged_and_changes_nothing(monkeypatch, caplog):
-    monkeypatch.setattr(ring_module, "STRICT", False)
-    ring = SlotRing(1, slot_bytes=4096)
-    first, _, _ = ring.acquire()
-    ring.release(first)
-    ring.acquire()
-    ring.release(first)
+    monkeypatch.setattr(pool_module, "STRICT", False)
+    slot_pool = SlotPool(1, slot_bytes=4096)
+    first, _, _ = slot_pool.acquire()
+    slot_pool.release(first)
+    slot_pool.acquire()
+    slot_pool.release(first)
     assert "stale ticket" in caplog.text
-    assert ring.occupancy == (1, 1)
+    assert slot_pool.occupancy == (1, 1)
 
 
 def test_a_lease_returns_its_slot_only_when_the_last_view_dies():
-    ring = SlotRing(1, slot_bytes=4096)
-    ticket, _, _ = ring.acquire()
-    lease = ring.lease(ticket)
+    slot_pool = SlotPool(1, slot_bytes=4096)
+    ticket, _, _ = slot_pool.acquire()
+    lease = slot_pool.lease(ticket)
     view = torch.from_numpy(lease.memory)[:16]
     del lease
-    assert ring.acquire()[0] is None
+    assert slot_pool.acquire()[0] is None
     del view
-    assert ring.acquire()[0] is not None
+    assert slot_pool.acquire()[0] is not None
     with pytest.raises(SlotOwnershipError):
-        ring.lease(ticket)  # a ticket is used once
+        slot_pool.lease(ticket)  # a ticket is used once
 
 
 def test_a_lease_dying_while_the_ring_is_locked_does_not_deadlock():
     # The cyclic collector may finalise a lease inside acquire() on the same thread.
-    ring = SlotRing(2, slot_bytes=4096)
-    lease = ring.lease(ring.acquire()[0])
+    slot_pool = SlotPool(2, slot_bytes=4096)
+    lease = slot_pool.lease(slot_pool.acquire()[0])
 
     def drop_under_lock():
         nonlocal lease
-        with ring._lock:
+        with slot_pool._lock:
             del lease
             gc.collect()
 
     thread = threading.Thread(target=drop_under_lock, daemon=True)
     thread.start()
     thread.join(timeout=5)
-    assert not thread.is_alive(), "finalising a lease under the ring's lock deadlocked"
-    assert ring.occupancy == (0, 1)
+    assert not thread.is_alive(), "finalising a lease under the slot pool's lock deadlocked"
+    assert slot_pool.occupancy == (0, 1)
 
 
 def worker_slot(nbytes, value):
@@ -114,25 +114,25 @@ def worker_slot(nbytes, value):
 
 
 def test_an_adopted_slot_is_leased_to_its_batch_then_handed_out():
-    ring = SlotRing(2, slot_bytes=4096)
-    lease, created = ring.adopt(worker_slot(4096, 7))
+    slot_pool = SlotPool(2, slot_bytes=4096)
+    lease, created = slot_pool.adopt(worker_slot(4096, 7))
     assert len(created) == 1 and (lease.memory == 7).all()
-    assert ring.occupancy == (1, 1)  # leased: not handed out while the batch lives
-    assert ring.acquire()[0].slot_id != created[0].slot_id
+    assert slot_pool.occupancy == (1, 1)  # leased: not handed out while the batch lives
+    assert slot_pool.acquire()[0].slot_id != created[0].slot_id
     del lease
-    assert ring.acquire()[0].slot_id == created[0].slot_id
+    assert slot_pool.acquire()[0].slot_id == created[0].slot_id
 
 
 @pytest.mark.parametrize("why", ["full", "too small", "closed"])
 def test_a_slot_the_ring_cannot_keep_serves_its_batch_alone(why):
-    ring = SlotRing(1, slot_bytes=8192 if why == "too small" else 4096)
+    slot_pool = SlotPool(1, slot_bytes=8192 if why == "too small" else 4096)
     if why == "full":
-        ring.acquire()
+        slot_pool.acquire()
     if why == "closed":
-        ring.close()
-    before = ring.occupancy
-    lease, created = ring.adopt(worker_slot(4096, 3))
-    assert created == [] and ring.occupancy == before
+        slot_pool.close()
+    before = slot_pool.occupancy
+    lease, created = slot_pool.adopt(worker_slot(4096, 3))
+    assert created == [] and slot_pool.occupancy == before
     assert (lease.memory == 3).all()
 
 
@@ -156,42 +156,42 @@ def open_memfds():
 @pytest.mark.parametrize("failure", ["warning raised as an error", "registration raises"])
 def test_a_slot_that_fails_adoption_closes_its_descriptor(monkeypatch, failure):
     if failure == "registration raises":
-        ring = SlotRing(2, pin=Pinner(0, runtime=RefusingRuntime()), slot_bytes=4096)
+        slot_pool = SlotPool(2, pin=Pinner(0, runtime=RefusingRuntime()), slot_bytes=4096)
         expected = RuntimeError
     else:
-        monkeypatch.setattr(ring_module, "available_memory", lambda: 4096)  # over half of it
-        ring = SlotRing(2, slot_bytes=4096)
+        monkeypatch.setattr(pool_module, "available_memory", lambda: 4096)  # over half of it
+        slot_pool = SlotPool(2, slot_bytes=4096)
         expected = RuntimeWarning
     fd = worker_slot(4096, 1)
     before = open_memfds()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         with pytest.raises(expected):
-            ring.adopt(fd)
+            slot_pool.adopt(fd)
     assert open_memfds() == before - 1
-    assert ring.occupancy == (0, 0)
+    assert slot_pool.occupancy == (0, 0)
 
 
-# -- the ring: copies it cannot see ------------------------------------------------------------
+# -- the slot pool: copies it cannot see -----------------------------------------------------------
 
 def test_a_fenced_slot_is_not_reused_until_its_copy_completes():
-    ring = SlotRing(1, slot_bytes=4096)
-    ticket, _, _ = ring.acquire()
-    lease = ring.lease(ticket)
+    slot_pool = SlotPool(1, slot_bytes=4096)
+    ticket, _, _ = slot_pool.acquire()
+    lease = slot_pool.lease(ticket)
     event = HeldEvent()
     lease.fence(event)
     del lease
-    assert ring.acquire()[0] is None  # the batch is gone, the copy is not
+    assert slot_pool.acquire()[0] is None  # the batch is gone, the copy is not
     event.complete()
-    assert ring.acquire()[0] is not None
+    assert slot_pool.acquire()[0] is not None
 
 
 def test_closing_the_ring_waits_for_copies_still_reading_it():
-    ring = SlotRing(1, slot_bytes=4096)
-    lease = ring.lease(ring.acquire()[0])
+    slot_pool = SlotPool(1, slot_bytes=4096)
+    lease = slot_pool.lease(slot_pool.acquire()[0])
     event = HeldEvent()
     lease.fence(event)
-    ring.close()
+    slot_pool.close()
     assert event.done
 
 
@@ -207,7 +207,7 @@ def on_host(gpu, batches):
 @pytest.mark.parametrize("abandon", [False, True])
 def test_no_slot_is_rewritten_under_a_queued_copy(gpu, abandon):
     # The device runs nothing until the end: every copy stays queued while the workers go on
-    # writing batches into whatever slot the ring hands out, this epoch and the next. The
+    # writing batches into whatever slot the slot pool hands out, this epoch and the next. The
     # bytes each copy finally reads must be its own batch's.
     dataset = TensorDataset(n=96, shape=(3, 16, 16))
     expected = list(DataLoader(dataset, batch_size=4, num_workers=2))
@@ -218,7 +218,7 @@ def test_no_slot_is_rewritten_under_a_queued_copy(gpu, abandon):
         got.append(batch)
         if abandon and i == 10:
             break
-    used, allocated = loader._planner.ring.occupancy
+    used, allocated = loader._planner.slot_pool.occupancy
     assert used == allocated  # every slot a copy read is still fenced
     gc.collect()
     again = list(loader)
@@ -226,13 +226,13 @@ def test_no_slot_is_rewritten_under_a_queued_copy(gpu, abandon):
     assert_same(expected[:len(got)], on_host(gpu, got))
     assert_same(expected, on_host(gpu, again))
     assert gpu.syncs_in("MainThread") == []
-    assert loader._planner.ring.occupancy[0] == 0
+    assert loader._planner.slot_pool.occupancy[0] == 0
 
 
 def test_the_model_shows_a_slot_rewritten_under_a_copy_nothing_fences(gpu, monkeypatch):
-    # The stand-in can fail: without the fence, the ring hands a slot out again while its copy
+    # The stand-in can fail: without the fence, the slot pool hands a slot out again while its copy
     # is queued, and the copy reads the next batch's bytes.
-    monkeypatch.setattr(ring_module.Lease, "fence", lambda self, fence: None)
+    monkeypatch.setattr(pool_module.Lease, "fence", lambda self, fence: None)
     dataset = TensorDataset(n=48, shape=(3, 16, 16))
     loader = FastLoader(dataset, batch_size=4, num_workers=2, ring_slots=3, device="cuda")
     got = list(loader)
@@ -254,19 +254,19 @@ def test_slots_are_page_locked_only_when_fastfeed_owns_the_copy(monkeypatch):
 
     user_copies = FastLoader(TensorDataset(), batch_size=4, num_workers=2, pin_memory=True)
     setup = user_copies._iterator_setup()
-    assert setup.ring is not None and setup.ring.pin is None
+    assert setup.slot_pool is not None and setup.slot_pool.pin is None
     assert copied_into_pinned_memory(user_copies)
 
     fastfeed_copies = FastLoader(TensorDataset(), batch_size=4, num_workers=2, device="cuda",
                                  pin_memory=True)
     fastfeed_copies._device_stage._target = torch.device("cuda", 1)
     setup = fastfeed_copies._iterator_setup()
-    assert setup.ring.pin == Pinner(1) and not copied_into_pinned_memory(fastfeed_copies)
+    assert setup.slot_pool.pin == Pinner(1) and not copied_into_pinned_memory(fastfeed_copies)
 
 
 def slot_holding(loader, tensor):
     address = tensor.data_ptr()
-    slots = loader._planner.ring._slots.values()
+    slots = loader._planner.slot_pool._slots.values()
     return any(s.address <= address < s.address + s.nbytes for s in slots)
 
 
@@ -292,7 +292,7 @@ def test_a_slot_is_read_in_place_only_where_it_is_page_locked(gpu, refused):
     dataset = TensorDataset(n=32, shape=(3, 8, 8))
     loader = FastLoader(dataset, batch_size=4, num_workers=2, device="cuda",
                         persistent_workers=True, ring_slots=12)
-    list(loader)  # the ring learns the batch size and registers its slots
+    list(loader)  # the slot pool learns the batch size and registers its slots
     gpu.run()
     gpu.staged = 0
     got = list(loader)

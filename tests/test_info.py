@@ -22,7 +22,7 @@ def test_info_reports_what_this_machine_has():
         assert printed[key].startswith("not installed") != importable(module), key
     assert printed["JPEG window decoder"] == describe()
     assert printed["CPUs (affinity)"] == str(len(os.sched_getaffinity(0)))
-    assert printed["ring"] == "memfd slots"  # Linux
+    assert printed["shared-memory slots"] == "memfd"  # Linux
     for key in ("fastfeed", "numpy", "Pillow", "YOLO warp kernel", "YOLO HSV kernel",
                 "YOLO shared cache", "CUDA", "GPU", "NVML",
                 "Ultralytics", "/dev/shm"):

@@ -75,7 +75,7 @@ def mismatched(tmp_path_factory):
         from PIL import Image
         from torch.utils.data import Dataset
 
-        from fastfeed.vision.decode import decode_resized_crop
+        from fastfeed.vision.window_decode import decode_resized_crop
 
 
         class Crops(Dataset):
@@ -102,7 +102,7 @@ def test_a_build_for_another_libjpeg_is_refused_with_one_warning_in_every_worker
         from crops import Crops
 
         from fastfeed import FastLoader
-        from fastfeed.vision.decode import roi_decoder_available
+        from fastfeed.vision.window_decode import roi_decoder_available
         from fastfeed.vision.libjpeg import describe
 
         assert not roi_decoder_available()

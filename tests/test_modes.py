@@ -19,7 +19,7 @@ from sample_datasets import (
 from torch.utils.data import DataLoader
 
 from fastfeed import FastLoader, LoaderStats
-from fastfeed.ring import slot_budget
+from fastfeed.slots import slot_budget
 
 THREADS = {"worker_mode": "thread"}
 
@@ -144,7 +144,7 @@ def test_stats_are_consistent(num_workers, mode):
     assert stats.workers == num_workers
     assert stats.gpu == [] and stats.gpu_status  # no NVML here: a reason, no exception
     assert "samples/s" in str(stats) and "stall" in stats.summary()
-    if num_workers and mode == "process":  # the batches went through a ring, a bounded one
+    if num_workers and mode == "process":  # the batches went through a slot pool, a bounded one
         assert 0 < stats.ring_slots <= slot_budget(loader.prefetch_factor * num_workers)
         assert stats.ring_mb > 0
     assert loader.stats(reset=True).batches == stats.batches

@@ -15,10 +15,12 @@ from helpers import host_syncs_raise
 from nvjpeg_model import decode_with_pillow
 from PIL import Image
 
-from fastfeed import FastLoader, pinning
+from fastfeed import FastLoader
 from fastfeed import transforms as T
+from fastfeed.slots import page_lock
 from fastfeed.tree import map_tensors
 from fastfeed.vision import DecodeError, ImageFolder, image_loader
+from fastfeed.vision.encoded_folder import EncodedImageFolder, nvjpeg_transform
 from fastfeed.vision.gpu_decode import (
     DecodeCrops,
     collate_crops,
@@ -26,7 +28,6 @@ from fastfeed.vision.gpu_decode import (
     encoded_collate,
     gpu_decodable,
 )
-from fastfeed.vision.nvjpeg import EncodedImageFolder, nvjpeg_transform
 from fastfeed.vision.synthetic import make_imagefolder
 
 
@@ -184,7 +185,7 @@ def test_a_file_nothing_decodes_fails_its_batch_naming_it(tmp_path, gpu, decoder
 def test_the_decode_waits_on_the_host_only_off_the_training_thread(tmp_path, gpu, decoder):
     # torchvision synchronises its stream twice a batch: that must not stop the training
     # thread, which queues the model's work meanwhile. The encoded files are read where the
-    # workers wrote them (in the ring's slot), not copied first.
+    # workers wrote them (in the slot pool's slot), not copied first.
     root = make_imagefolder(tmp_path, images=12, classes=2)
     folder = EncodedImageFolder(root, 24, train=False)
     loader = loader_for(folder, 4)
@@ -323,13 +324,13 @@ def test_the_decode_stream_is_made_non_blocking_on_its_device(monkeypatch):
     # torch binds cudaStreamCreate only, whose stream would wait for the default stream: a
     # mapped runtime makes it, on the device asked for, its own current device restored.
     runtime = MappedRuntime()
-    monkeypatch.setattr(pinning, "_mapped_runtimes", lambda: [runtime])
-    assert pinning.TorchCudaRuntime(cudart=object()).stream_create(1) == 0x5001
+    monkeypatch.setattr(page_lock, "_mapped_runtimes", lambda: [runtime])
+    assert page_lock.TorchCudaRuntime(cudart=object()).stream_create(1) == 0x5001
     assert runtime.made == [(1, 0x1)] and runtime.device == 0  # cudaStreamNonBlocking
     refusing = MappedRuntime(refuse=True)
-    monkeypatch.setattr(pinning, "_mapped_runtimes", lambda: [refusing])
+    monkeypatch.setattr(page_lock, "_mapped_runtimes", lambda: [refusing])
     with pytest.raises(RuntimeError, match="out of memory"):
-        pinning.TorchCudaRuntime(cudart=object()).stream_create(1)
+        page_lock.TorchCudaRuntime(cudart=object()).stream_create(1)
     assert refusing.read_back == 1 and refusing.device == 0
 
 

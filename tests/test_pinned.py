@@ -31,12 +31,12 @@ pytestmark = pytest.mark.filterwarnings("ignore:'pin_memory' argument is set as 
 class StandInPin:
     """torch's ``pin_memory`` on a machine without CUDA: a copy of every tensor, in two halves
     with ``pause`` seconds between them. Records the thread of each call, and checks that the
-    ring slot a tensor lives in (if any) stays leased to its batch while it is copied."""
+    pool slot a tensor lives in (if any) stays leased to its batch while it is copied."""
 
     def __init__(self, pause: float) -> None:
         self.pause = pause
         self.threads: list[int] = []
-        self.ring = None  # set by the test: the ring whose slots are checked
+        self.slot_pool = None  # set by the test: the slot pool whose slots are checked
         self.reused_during_copy = 0
 
     def __call__(self, batch):
@@ -53,10 +53,10 @@ class StandInPin:
         return out
 
     def _check_leased(self, tensor: torch.Tensor) -> None:
-        if self.ring is None or not tensor.numel():
+        if self.slot_pool is None or not tensor.numel():
             return
         address = tensor.data_ptr()
-        for slot in list(self.ring._slots.values()):
+        for slot in list(self.slot_pool._slots.values()):
             if slot.address <= address < slot.address + slot.nbytes:
                 self.reused_during_copy += slot.state.value != "leased"
 
@@ -125,9 +125,9 @@ def test_no_slot_is_reused_while_its_pinned_copy_runs(pin):
     loader = FastLoader(TensorDataset(n=256), pin_memory=True, ring_slots=2, **kwargs)
     torch.manual_seed(1)
     iterator = iter(loader)
-    pin.ring = loader._planner.ring
+    pin.slot_pool = loader._planner.slot_pool
     assert_same(expected, list(iterator))
-    assert pin.ring is not None and pin.ring.occupancy[1] > 0, "no batch went through the ring"
+    assert pin.slot_pool is not None and pin.slot_pool.occupancy[1] > 0, "no batch in a slot"
     assert pin.reused_during_copy == 0
 
 
@@ -233,8 +233,8 @@ def test_close_gets_the_helper_out_before_the_workers_stop(pin, monkeypatch):
     iterator.close()
     assert not pin_threads()
     assert all(not worker.is_alive() for worker in iterator._workers)
-    ring = loader._planner.ring
+    slot_pool = loader._planner.slot_pool
     del iterator, loader  # batches received but not delivered hold their slots till then
     gc.collect()
     assert late_sends == []
-    assert ring is not None and ring.occupancy[0] == 0, ring.occupancy
+    assert slot_pool is not None and slot_pool.occupancy[0] == 0, slot_pool.occupancy

@@ -19,7 +19,7 @@ from sample_datasets import MixedDataset, ShardedIterable, TensorDataset
 from fastfeed import FastLoader
 from fastfeed.backends.ray.wire import ship, unship
 from fastfeed.codec import Unplaced, decode, encode
-from fastfeed.ring import Arena, Lease
+from fastfeed.slots import Arena, Lease
 
 ROOT = Path(__file__).resolve().parents[1]
 

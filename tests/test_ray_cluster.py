@@ -210,20 +210,21 @@ def _classic_transforms():
 
 def test_accelerated_pipeline_float_batches_equal_stock_and_processes(cluster, jpegs):
     """``fastfeed.vision.accelerate`` without a device: Ray workers ship uint8 batches and the
-    main process computes the float tail as it lands each one in its ring slot (a quarter of
+    main process computes the float tail as it lands each one in its pool slot (a quarter of
     the bytes through the object store); the batches equal, bit for bit, those of torch's
     DataLoader over the same dataset and of worker processes, which finish them themselves.
-    The first tasks go without a ring slot, the later ones with one, and a loader without a
+    The first tasks go without a pool slot, the later ones with one, and a loader without a
     ring lands each batch in memory of its own: every path is taken."""
     pytest.importorskip("torchvision", reason="needs torchvision (the client environment)")
-    # 8 batches: the first 2 tasks go before the ring knows the batch size, without a slot
+    # 8 batches: the first 2 tasks go before the slot pool knows the batch size, without a slot
     kwargs = {"batch_size": 2, "shuffle": True, "num_workers": 1}
     for name, transform in _classic_transforms().items():
         dataset = _accelerated(jpegs, transform)
         loaders = {"stock": DataLoader(dataset, **kwargs), "process": FastLoader(dataset, **kwargs),
                    "ray": FastLoader(dataset, worker_mode="ray", **kwargs)}
         if name == "ToTensor-Normalize":
-            loaders["ray, no ring"] = FastLoader(dataset, worker_mode="ray", ring_slots=0, **kwargs)
+            loaders["ray, no slot pool"] = FastLoader(dataset, worker_mode="ray", ring_slots=0,
+                                                      **kwargs)
         epochs = {mode: run_epochs(loader, 1, seed=5)[0] for mode, loader in loaders.items()}
         assert epochs["ray"][0][0].dtype == torch.float32, name
         for mode in loaders:

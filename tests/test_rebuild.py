@@ -53,10 +53,11 @@ def test_pickled_or_copied_loaders_behave_like_the_original(how, used):
     kwargs = {"batch_size": 4, "num_workers": 2, "shuffle": True, "persistent_workers": used}
     stock = clone(DataLoader(TensorDataset(n=24), **kwargs))
     original = FastLoader(TensorDataset(n=24), **kwargs)
-    if used:  # telemetry, the ring and the iterator of its persistent workers exist now
+    if used:  # telemetry, the slot pool and the iterator of its persistent workers exist now
         list(original)
     fast = clone(original)
-    assert type(fast) is FastLoader and fast._planner.ring is None and fast.stats().batches == 0
+    assert type(fast) is FastLoader and fast._planner.slot_pool is None
+    assert fast.stats().batches == 0
     assert_same(run_epochs(stock, 2, seed=1), run_epochs(fast, 2, seed=1))
 
 

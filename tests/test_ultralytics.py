@@ -36,7 +36,7 @@ from ultralytics.utils import DEFAULT_CFG  # noqa: E402
 from ultralytics.utils.patches import imread  # noqa: E402
 
 import fastfeed.ultralytics as fu  # noqa: E402
-from fastfeed.ultralytics.decode import dct_scale, target_size  # noqa: E402
+from fastfeed.ultralytics.reduced_decode import dct_scale, target_size  # noqa: E402
 from fastfeed.vision.synthetic import make_image, make_imagefolder, make_yolo  # noqa: E402
 
 NAMES = {i: f"c{i}" for i in range(8)}
@@ -142,7 +142,7 @@ def test_patched_loader_has_ultralytics_arguments(yolo_root):
     loader = build_dataloader(dataset(yolo_root)[1], 4, 2, shuffle=True, rank=-1)
     assert isinstance(loader, fu.InfiniteFastLoader)
     # Ultralytics' seed_worker and collate_fn run inside the wrappers that gather the images
-    # into the ring slot.
+    # into the pool slot.
     assert loader.worker_init_fn.init is seed_worker and loader.generator is not None
     assert loader.collate_fn.collate_fn is loader.dataset.collate_fn
     assert loader.worker_init_fn.prepare.__name__ == "prepare_worker"
@@ -240,7 +240,7 @@ def test_patch_rejects_unknown_options():
 
 
 def loader_fds():
-    """Open pipes (worker queues) and ring slots (memfds) of this process."""
+    """Open pipes (worker queues) and pool slots (memfds) of this process."""
     targets = set()
     for fd in open_fds():
         with contextlib.suppress(OSError):

@@ -25,8 +25,8 @@ from fastfeed.vision import (
     parse_labels,
     roi_decoder_available,
 )
-from fastfeed.vision.decode import image_size, jpeg_frame_size
 from fastfeed.vision.synthetic import make_image, make_imagefolder, make_yolo
+from fastfeed.vision.window_decode import image_size, jpeg_frame_size
 from fastfeed.vision.yolo import letterbox_boxes
 
 
@@ -287,7 +287,7 @@ def test_image_collate_takes_chw_tensors_and_hwc_arrays():
 
 def test_a_cmyk_jpeg_decodes_as_pillow_converts_it_and_draws_its_box_once():
     # ImageNet holds CMYK JPEGs: the window decoder refuses them, Pillow converts them.
-    from fastfeed.vision.decode import decode_resized_crop, roi_decoder_available
+    from fastfeed.vision.window_decode import decode_resized_crop, roi_decoder_available
 
     if not roi_decoder_available():
         pytest.skip("no window decoder here (the libjpeg-turbo extension is not built)")
@@ -319,7 +319,7 @@ def test_a_truncated_jpeg_is_refused_or_loaded_as_pillow_does(load_truncated, mo
     # refused, as Pillow (and torchvision) refuse it, or loaded when Pillow is told to.
     from PIL import ImageFile
 
-    from fastfeed.vision.decode import DecodeError, decode_resized_crop
+    from fastfeed.vision.window_decode import DecodeError, decode_resized_crop
 
     monkeypatch.setattr(ImageFile, "LOAD_TRUNCATED_IMAGES", load_truncated)
     rgb = np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)

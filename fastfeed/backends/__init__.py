@@ -1,5 +1,5 @@
-"""Where workers run, behind one protocol (:mod:`fastfeed.backends.base`): processes (the
-default; batches cross through the ring), threads, or Ray actors on a cluster
+"""Where workers run, behind one protocol (:mod:`fastfeed.backends.interface`): processes (the
+default; batches cross through the slot pool), threads, or Ray actors on a cluster
 (:mod:`fastfeed.backends.ray`)."""
 
 from __future__ import annotations
@@ -9,21 +9,21 @@ from typing import Any
 
 import torch
 
-from fastfeed.backends.base import WorkerBackend, WorkerExited, WorkerHandle, WorkerKind
+from fastfeed.backends.interface import WorkerBackend, WorkerExited, WorkerHandle, WorkerKind
 from fastfeed.backends.process import ProcessBackend
 from fastfeed.backends.thread import ThreadBackend
 from fastfeed.collate import Empty
-from fastfeed.ring import SlotRing
+from fastfeed.slots import SlotPool
 
 __all__ = ["WorkerBackend", "WorkerExited", "WorkerHandle", "WorkerKind", "make_backend"]
 
 
-def make_backend(mode: WorkerKind, ring: SlotRing | None,
+def make_backend(mode: WorkerKind, slot_pool: SlotPool | None,
                  multiprocessing_context: Any = None,
                  ray_options: dict[str, Any] | None = None,
                  landing_tail: Callable[[Any, Empty], Any] | None = None) -> WorkerBackend:
     """The backend for ``worker_mode`` ``mode``; process workers and Ray's landing write
-    ``ring``'s slots (Ray's finishes each batch with ``landing_tail`` as it lands it, if
+    ``slot_pool``'s slots (Ray's finishes each batch with ``landing_tail`` as it lands it, if
     given)."""
     if mode == "thread":
         return ThreadBackend()
@@ -31,5 +31,5 @@ def make_backend(mode: WorkerKind, ring: SlotRing | None,
         # Only when asked for: it connects to Ray.
         from fastfeed.backends.ray.backend import RayBackend
 
-        return RayBackend(ring, ray_options, landing_tail)
-    return ProcessBackend(multiprocessing_context or torch.multiprocessing, ring)
+        return RayBackend(slot_pool, ray_options, landing_tail)
+    return ProcessBackend(multiprocessing_context or torch.multiprocessing, slot_pool)

@@ -1,8 +1,8 @@
-"""Worker processes (the default): batches cross through the ring.
+"""Worker processes (the default): batches cross through the slot pool.
 
 The backend owns what the workers share with the main process: the result queue and the
 shutdown flag; each worker's handle owns its task queue and its control pipe, over which it
-is told of the ring's slots.
+is told of the pool's slots.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from fastfeed.backends.base import (
+from fastfeed.backends.interface import (
     ABANDONED_GRACE,
     SHUTDOWN_GRACE,
     FromWorker,
@@ -26,8 +26,8 @@ from fastfeed.backends.base import (
     WorkerKind,
 )
 from fastfeed.protocol import ShutdownFlag, SlotAdded, SlotDropped, Stop, WorkerConfig
-from fastfeed.ring import SlotRing
-from fastfeed.ring.control import ControlPipe
+from fastfeed.slots import SlotPool
+from fastfeed.slots.control import ControlPipe
 from fastfeed.worker import worker_loop
 
 __all__ = ["ProcessBackend", "ProcessWorker"]
@@ -43,7 +43,7 @@ _PICKLE_ERROR = (
 @dataclass
 class ProcessWorker(QueueFedWorker):
     """A worker process, its task queue and the main side of its control pipe (None without a
-    ring: batches then take torch's shared memory)."""
+    slot pool: batches then take torch's shared memory)."""
 
     worker_id: int
     process: BaseProcess
@@ -90,13 +90,13 @@ class ProcessWorker(QueueFedWorker):
 
 class ProcessBackend:
     """Worker processes from ``context`` (a multiprocessing context or module: fork, spawn or
-    forkserver), fed through ``ring`` (None: no ring)."""
+    forkserver), fed through ``slot_pool`` (None: no slot pool)."""
 
     kind: WorkerKind = "process"
 
-    def __init__(self, context: Any, ring: SlotRing | None) -> None:
+    def __init__(self, context: Any, slot_pool: SlotPool | None) -> None:
         self._context = context
-        self._ring = ring
+        self._slot_pool = slot_pool
         self._results = context.Queue()
         self._shutting_down = ShutdownFlag(context)
         self.workers: list[ProcessWorker] = []
@@ -105,7 +105,7 @@ class ProcessBackend:
         task_queue = self._context.Queue()
         task_queue.cancel_join_thread()
         control = worker_control = None
-        if self._ring is not None:
+        if self._slot_pool is not None:
             control, worker_control = ControlPipe.pair()
         process = self._context.Process(
             target=worker_loop,
@@ -122,9 +122,9 @@ class ProcessBackend:
             if worker_control is not None:
                 worker_control.close()  # the worker has its own end now, or never will
         self.workers.append(worker)
-        if self._ring is not None:
+        if self._slot_pool is not None:
             # A worker added late maps the slots that exist already.
-            worker.announce_slots(self._ring.slots(), [])
+            worker.announce_slots(self._slot_pool.slots(), [])
         return worker
 
     def next_answer(self, timeout: float) -> FromWorker:

@@ -1,5 +1,5 @@
 """Worker threads in this process (``worker_mode="thread"``): no IPC, no pickling, for work
-that releases the GIL. A batch is handed over as it is: no ring."""
+that releases the GIL. A batch is handed over as it is: no slot pool."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from fastfeed.backends.base import (
+from fastfeed.backends.interface import (
     SHUTDOWN_GRACE,
     FromWorker,
     QueueFedWorker,
@@ -70,7 +70,7 @@ class ThreadBackend:
         return self._results.get(timeout=timeout)
 
     def shutdown(self, wait: bool = True, then: Callable[[], None] | None = None) -> None:
-        # Thread workers write no ring slot: ``then`` has nothing to wait for.
+        # Thread workers write no pool slot: ``then`` has nothing to wait for.
         self._shutting_down.set()
         for worker in self.workers:
             worker.send(Stop())

@@ -2,7 +2,7 @@
 
 Each host batch is copied ``non_blocking`` from page-locked memory on the loader's copy
 stream, and the transforms run on that stream right after the copy. An event marks the end
-of that work; the batch's ring slot is fenced with it, the consumer's stream waits on it, and
+of that work; the batch's pool slot is fenced with it, the consumer's stream waits on it, and
 every device tensor is marked with ``record_stream`` (:class:`StreamCopier`).
 
 On ``device="cpu"`` the same path runs without streams or events (:class:`HostCopier`).
@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from fastfeed.iterators import HostBatch
-from fastfeed.ring import Lease
+from fastfeed.slots import Lease
 from fastfeed.telemetry import Telemetry
 from fastfeed.tree import map_arrays, map_tensors
 
@@ -42,7 +42,7 @@ def _dense(tensor: torch.Tensor) -> bool:
 def pinned_source(tensor: torch.Tensor) -> torch.Tensor:
     """What a ``non_blocking`` host-to-device copy of ``tensor`` should read.
 
-    The copy engine reads page-locked memory (a registered ring slot, torch's pinned pool)
+    The copy engine reads page-locked memory (a registered pool slot, torch's pinned pool)
     where it lies when the tensor is dense; that is returned as it is. Anything else is copied
     into torch's pinned pool first: from pageable memory a "non_blocking" copy is staged
     synchronously, and torch makes a non-dense source contiguous in pageable memory before it
@@ -88,7 +88,7 @@ class StreamCopier:
       not reach would go to the user as a view of a page-locked slot, which a copy of theirs
       could read after the slot is reused: that batch is refused (``TypeError``).
     * The copy and ``gpu_transform`` run on ``stream``; an event recorded after them, however
-      they end, fences the batch's ring slot (its lease): the slot is not reused before the
+      they end, fences the batch's pool slot (its lease): the slot is not reused before the
       event completes, whatever happens to the host batch (DESIGN.md invariant 2).
     * Numpy leaves stay on the host. The transform reads them in the slot (nvjpeg's encoded
       files); those it passes on are copied out of the slot after it, since the user may copy
@@ -171,7 +171,7 @@ def _timed(telemetry: Telemetry, stage: str, fn: Callable[..., Any], *args: Any,
 
 
 def _check_reached(host: HostBatch, moved: set[int]) -> None:
-    """Refuse a batch with a tensor in its ring slot that the copy did not reach."""
+    """Refuse a batch with a tensor in its pool slot that the copy did not reach."""
     if host.lease is None:
         return
     missed = sum(isinstance(view, torch.Tensor) and id(view) not in moved
@@ -180,7 +180,7 @@ def _check_reached(host: HostBatch, moved: set[int]) -> None:
         raise TypeError(
             f"FastLoader(device=...) cannot reach {missed} tensor(s) of a batch of type "
             f"{type(host.batch).__name__}: they would stay on the host as views of a "
-            "page-locked ring slot, which a later copy of yours could read after the slot is "
+            "page-locked pool slot, which a later copy of yours could read after the slot is "
             "reused. Return dicts, lists, tuples, namedtuples, dataclasses or an object that "
             "pickle can rebuild from collate_fn.")
 

@@ -18,7 +18,7 @@ __all__ = ["AheadOfConsumer", "DeviceIterator", "HostIterator", "TorchIteratorHo
 
 class HostIterator(Protocol):
     """What the device stage needs of the iterator it wraps (see
-    :class:`fastfeed.iterators.base.BaseIterator`)."""
+    :class:`fastfeed.iterators.base_iterator.BaseIterator`)."""
 
     base_seed: int
     device_tail: Callable[[Any], Any] | None

@@ -6,7 +6,7 @@ The parts, one job each: :mod:`~fastfeed.doctor.probe` (times the script's batch
 :mod:`~fastfeed.doctor.gpu_waits` (sync-aware waits on CUDA), :mod:`~fastfeed.doctor.system`
 (CPU and memory), :mod:`~fastfeed.doctor.stages` (per-sample stages),
 :mod:`~fastfeed.doctor.loaders` (rebuilding the script's loader),
-:mod:`~fastfeed.doctor.options` and :mod:`~fastfeed.doctor.trials` (what to offer, measured
+:mod:`~fastfeed.doctor.candidates` and :mod:`~fastfeed.doctor.trials` (what to offer, measured
 loader-alone), :mod:`~fastfeed.doctor.fingerprint` (same batches?),
 :mod:`~fastfeed.doctor.verdict`, :mod:`~fastfeed.doctor.measure` (the diagnosis),
 :mod:`~fastfeed.doctor.child` (the process that runs the script), and

@@ -17,9 +17,9 @@ from typing import Any
 import torch
 
 from fastfeed._proc import available_cpus
+from fastfeed.doctor.candidates import configurations, workers_settle, yours
 from fastfeed.doctor.findings import REPORT, Diagnosis, Option, Stage, Unmeasured
 from fastfeed.doctor.loaders import LoaderSpec
-from fastfeed.doctor.options import configurations, workers_settle, yours
 from fastfeed.doctor.probe import LoaderTrace, Probe
 from fastfeed.doctor.recommend import recommend
 from fastfeed.doctor.settings import Settings

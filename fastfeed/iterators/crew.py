@@ -2,7 +2,7 @@
 
 The pool iterator decides *what* to send (which task, to which worker) and what each answer
 means. The crew knows *how*: it reaches each worker through the backend (processes, threads
-or Ray actors: :mod:`fastfeed.backends`), tells workers of the ring's slots, starts
+or Ray actors: :mod:`fastfeed.backends`), tells workers of the pool's slots, starts
 persistent workers' next epoch, grows and shrinks the pool for the tuner, and shuts
 everything down exactly once, from whichever thread gets there first. A worker that is gone
 when it should not be shuts the pool down and raises.
@@ -30,7 +30,7 @@ from fastfeed.protocol import (
     Task,
     WorkerConfig,
 )
-from fastfeed.ring import SlotRing, Ticket
+from fastfeed.slots import SlotPool, Ticket
 
 __all__ = ["WorkerCrew"]
 
@@ -47,9 +47,9 @@ def _mark_exiting() -> None:
 atexit.register(_mark_exiting)
 
 
-def _release_all(ring: SlotRing, tickets: list[Ticket]) -> None:
+def _release_all(slot_pool: SlotPool, tickets: list[Ticket]) -> None:
     for ticket in tickets:
-        ring.release(ticket)
+        slot_pool.release(ticket)
 
 
 class WorkerCrew:
@@ -58,17 +58,17 @@ class WorkerCrew:
     Args:
         backend: starts the workers and owns what they share with this process.
         book: the pool's task book, from which the worker table reads what each worker owes.
-        ring: the loader's ring, whose slots the backend's workers write (None: no ring).
+        slot_pool: the loader's, whose slots the backend's workers write (None: no slot pool).
         timeout: the loader's ``timeout`` for each message, 0 for none.
     """
 
-    def __init__(self, backend: WorkerBackend, book: TaskBook, ring: SlotRing | None,
+    def __init__(self, backend: WorkerBackend, book: TaskBook, slot_pool: SlotPool | None,
                  timeout: float) -> None:
         self.table = WorkerTable(book)
         self.kind = backend.kind
         self._backend = backend
         self._book = book
-        self._ring = ring
+        self._slot_pool = slot_pool
         self._timeout = timeout
         # A forked child inherits this object; only the process that started the workers
         # may shut them down.
@@ -90,7 +90,7 @@ class WorkerCrew:
         self.table[worker_id].handle.send(Stop())
 
     def announce(self, created: list[SlotAdded], retired: list[int]) -> None:
-        """Tell every worker that maps slots of the slots the ring created and dropped."""
+        """Tell every worker that maps slots of the slots the slot pool created and dropped."""
         if created or retired:
             for worker in self.table.mapping_slots():
                 worker.handle.announce_slots(created, retired)
@@ -143,7 +143,7 @@ class WorkerCrew:
             self.start(config(len(self.table), self.table.serving + 1))
         while self.table.serving > wanted:
             # The newest worker gets no more tasks, and exits once the main process has
-            # received its last batch: a batch outside the ring is fetched from the worker
+            # received its last batch: a batch outside the slot pool is fetched from the worker
             # that made it, which must still be alive then.
             worker_id = self.table.newest_serving()
             if self.table.retire(worker_id):
@@ -152,7 +152,7 @@ class WorkerCrew:
     # -- shutdown ------------------------------------------------------------------------------
     def shutdown(self, wait: bool = True) -> None:
         """Stop every worker, once. Tasks still in flight (a break, an error) hand their
-        tickets back to the ring once no worker can write their slots any more.
+        tickets back to the slot pool once no worker can write their slots any more.
 
         With ``wait=False`` (from a finaliser, in whatever thread the garbage collector runs)
         the joins happen on a reaper thread.
@@ -164,6 +164,6 @@ class WorkerCrew:
         self.closed = True
         tickets = self._book.take_tickets()
         release = None
-        if tickets and self._ring is not None:
-            release = partial(_release_all, self._ring, tickets)
+        if tickets and self._slot_pool is not None:
+            release = partial(_release_all, self._slot_pool, tickets)
         self._backend.shutdown(wait=wait, then=release)

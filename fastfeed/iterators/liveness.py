@@ -11,7 +11,7 @@ import threading
 import time
 
 from fastfeed.backends import WorkerBackend, WorkerExited
-from fastfeed.backends.base import FromWorker
+from fastfeed.backends.interface import FromWorker
 from fastfeed.iterators.workers import WorkerState, WorkerTable
 
 __all__ = ["WaitInterrupted", "next_answer", "raise_if_a_worker_died"]
@@ -22,7 +22,7 @@ _LIVENESS_INTERVAL = 0.1
 
 class WaitInterrupted(Exception):
     """The wait for the workers was given up from another thread (see
-    :meth:`fastfeed.iterators.base.BaseIterator.waits_interrupted`)."""
+    :meth:`fastfeed.iterators.base_iterator.BaseIterator.waits_interrupted`)."""
 
 
 def raise_if_a_worker_died(workers: WorkerTable, wait: float = 0.0) -> None:

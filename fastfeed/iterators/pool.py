@@ -4,7 +4,7 @@ Dispatch and ordering follow torch's ``_MultiProcessingDataLoaderIter``: indices
 workers round-robin, at most ``prefetch_factor`` tasks per worker are outstanding, batches
 are delivered in sampler order (or as they arrive with ``in_order=False``), and
 IterableDataset replicas are interleaved. What crosses the process boundary differs: each task
-carries a ring slot, and the answer is a small message that ``codec.decode`` turns back into
+carries a pool slot, and the answer is a small message that ``codec.decode`` turns back into
 tensors that are views of that slot (see :mod:`fastfeed.protocol`). The task book
 (:mod:`~fastfeed.iterators.tasks`) keeps every task's state; the crew
 (:mod:`~fastfeed.iterators.crew`) starts, reaches and stops the workers.
@@ -26,12 +26,12 @@ from fastfeed.autotune import TuningWindows
 from fastfeed.backends import make_backend
 from fastfeed.backends.process import ProcessWorker
 from fastfeed.codec import decode
-from fastfeed.iterators.base import BaseIterator, HostBatch
+from fastfeed.iterators.base_iterator import BaseIterator, HostBatch
 from fastfeed.iterators.crew import WorkerCrew
 from fastfeed.iterators.setup import IteratorSetup
 from fastfeed.iterators.tasks import Entry, TaskBook
 from fastfeed.protocol import Answer, Encoded, Failed, Produced, ReplicaEnded, Task
-from fastfeed.ring import Lease, Ticket, slot_budget
+from fastfeed.slots import Lease, Ticket, slot_budget
 
 __all__ = ["WorkerPoolIterator"]
 
@@ -68,10 +68,11 @@ class WorkerPoolIterator(BaseIterator):
         self._in_order = loader.in_order
         self._epoch = 0
         self._book = TaskBook()
-        self.ring = setup.ring  # the loader gives one to the backends whose batches use it
-        backend = make_backend(setup.worker_mode, self.ring, loader.multiprocessing_context,
+        # The loader gives one to the backends whose batches use it.
+        self.slot_pool = setup.slot_pool
+        backend = make_backend(setup.worker_mode, self.slot_pool, loader.multiprocessing_context,
                                setup.ray_options, setup.tail.landing_tail)
-        self._crew = WorkerCrew(backend, self._book, self.ring, self._timeout)
+        self._crew = WorkerCrew(backend, self._book, self.slot_pool, self._timeout)
         # Dropped without close() (a break, an error, an abandoned epoch), the iterator's
         # workers are stopped by a finaliser that holds the crew, not by __del__: collected
         # in a reference cycle, a __del__ would hand queues the collector has already
@@ -81,7 +82,7 @@ class WorkerPoolIterator(BaseIterator):
         dropped.atexit = False
         self._table = self._crew.table
         self._telemetry.worker_mode = backend.kind
-        self._telemetry.ring = self.ring
+        self._telemetry.slot_pool = self.slot_pool
         try:
             for worker_id in range(self._num_workers):
                 self._crew.start(self._worker_config(
@@ -90,7 +91,7 @@ class WorkerPoolIterator(BaseIterator):
         except BaseException:
             self._crew.shutdown()
             raise
-        self._size_ring()
+        self._size_slot_pool()
         self._tuning = (None if setup.tuner is None else TuningWindows(
             setup.tuner, self._table.active_tasks(), self._telemetry.waited,
             self._telemetry.worker_busy_s))
@@ -100,9 +101,9 @@ class WorkerPoolIterator(BaseIterator):
     def _max_tasks(self) -> int:
         return self._prefetch_factor * self._table.serving
 
-    def _size_ring(self) -> None:
-        if self.ring is not None:
-            self.ring.max_slots = slot_budget(self._max_tasks, self._setup.terms.held_batches,
+    def _size_slot_pool(self) -> None:
+        if self.slot_pool is not None:
+            self.slot_pool.max_slots = slot_budget(self._max_tasks, self._setup.terms.held_batches,
                                               self._setup.ring_slots)
 
     @property
@@ -154,8 +155,8 @@ class WorkerPoolIterator(BaseIterator):
         if worker_id is None:
             return
         ticket = None
-        if self.ring is not None:
-            ticket, created, retired = self.ring.acquire()
+        if self.slot_pool is not None:
+            ticket, created, retired = self.slot_pool.acquire()
             self._crew.announce(created, retired)
         seq = self._book.send(worker_id, ticket)
         self._crew.send(worker_id, Task(seq, index, None if ticket is None else ticket.slot_id))
@@ -163,7 +164,7 @@ class WorkerPoolIterator(BaseIterator):
     # -- receive -----------------------------------------------------------------------------
     def _receive(self, answer: Answer) -> None:
         """Book a worker's answer and decode its batch at once: shared memory sent outside the
-        ring is fetched from the worker, which may exit (an exhausted IterableDataset replica)
+        slot pool is fetched from the worker, which may exit (an exhausted IterableDataset replica)
         before this batch's turn comes."""
         outcome = answer.outcome
         worker_id = self._book[answer.seq].worker_id
@@ -192,14 +193,14 @@ class WorkerPoolIterator(BaseIterator):
         self._telemetry.record_produced(outcome)
         if not isinstance(outcome.batch, Encoded):  # from a thread: the batch itself
             return HostBatch(outcome.batch, None)
-        if self.ring is not None:
-            self.ring.fit_batches_of(outcome.batch.required)
+        if self.slot_pool is not None:
+            self.slot_pool.fit_batches_of(outcome.batch.required)
         try:
             lease = self._settle(ticket, outcome.batch)
             return HostBatch(decode(outcome.batch, lease), lease)
         except Exception as error:
             if isinstance(error, (OSError, EOFError)):
-                # Shared memory outside the ring is fetched from its worker: if that worker
+                # Shared memory outside the slot pool is fetched from its worker: if that worker
                 # died, say so rather than surface a socket error.
                 self._crew.raise_if_a_worker_died(wait=2.0)
             # Raised in the batch's turn, as a worker's exception would be.
@@ -208,16 +209,16 @@ class WorkerPoolIterator(BaseIterator):
 
     def _settle(self, ticket: Ticket | None, batch: Encoded | None = None) -> Lease | None:
         """The one place a task's hold on a slot ends: its ticket becomes ``batch``'s lease,
-        or goes back to the ring; a batch sent without one is leased the slot its worker
-        made (adopted into the ring when it fits)."""
+        or goes back to the slot pool; a batch sent without one is leased the slot its worker
+        made (adopted into the slot pool when it fits)."""
         if ticket is not None:
-            assert self.ring is not None
+            assert self.slot_pool is not None
             if batch is not None:  # written into the ticket's slot (the protocol's rule)
-                return self.ring.lease(ticket)
-            self.ring.release(ticket)
+                return self.slot_pool.lease(ticket)
+            self.slot_pool.release(ticket)
         elif batch is not None and batch.private_slot is not None:
-            assert self.ring is not None
-            lease, created = self.ring.adopt(batch.private_slot.detach())
+            assert self.slot_pool is not None
+            lease, created = self.slot_pool.adopt(batch.private_slot.detach())
             self._crew.announce(created, [])
             return lease
         return None
@@ -263,7 +264,7 @@ class WorkerPoolIterator(BaseIterator):
             self._telemetry.decision(self._tuning.tuner.log[-1])
             self._crew.resize(wanted, lambda worker_id, num_workers: self._worker_config(
                 worker_id, num_workers=num_workers, thread=self._crew.kind == "thread"))
-            self._size_ring()
+            self._size_slot_pool()
             self._setup.carry_over.workers = self._table.serving  # where the next epoch starts
             self._fill()
 

@@ -3,7 +3,7 @@ that is decided.
 
 The loader's :class:`IteratorPlanner` computes an :class:`IteratorSetup` for every new
 iterator, from the loader's own arguments (:class:`PoolOptions`): the worker mode (``"auto"``'s
-contest), the ring and whether its slots are page-locked, the tuner, where a batch tail runs.
+contest), the slot pool and whether its slots are page-locked, the tuner, where a batch tail runs.
 Iterators read torch's attributes from the loader and everything fastfeed-specific from the
 setup, and never reach back into ``FastLoader``: the dependency runs one way, loader to
 iterators.
@@ -19,10 +19,10 @@ from torch.utils.data import DataLoader
 from fastfeed._torch_compat import auto_collation, is_iterable_dataset
 from fastfeed.autotune import WorkerTuner
 from fastfeed.backends import WorkerKind
-from fastfeed.pinning import Pinner
 from fastfeed.resume import LoaderState
-from fastfeed.ring import SlotRing, ring_supported
-from fastfeed.tail import TailPlacement, batch_tail_split, place_tail
+from fastfeed.slots import SlotPool, slots_supported
+from fastfeed.slots.page_lock import Pinner
+from fastfeed.tail_split import TailPlacement, batch_tail_split, place_tail
 from fastfeed.telemetry import Telemetry
 
 __all__ = ["CarryOver", "HostTerms", "IteratorPlanner", "IteratorSetup", "PoolOptions"]
@@ -36,7 +36,7 @@ class HostTerms:
         copy_device: the CUDA device fastfeed copies batches to itself (``device="cuda"``):
             it owns and fences every copy out of a slot, so slots may be page-locked for it.
             None otherwise.
-        held_batches: host batches the stage holds at once; their slots stay out of the ring.
+        held_batches: host batches the stage holds at once; their slots stay out of the slot pool.
         times_delivery: the stage measures the consumer's wait itself.
     """
 
@@ -70,11 +70,11 @@ class IteratorSetup:
     worker_mode: WorkerKind = "process"  # "auto" is resolved first
     ray_options: dict[str, Any] | None = None  # where Ray actors go (worker_mode="ray")
     tuner: WorkerTuner | None = None
-    ring: SlotRing | None = None  # the loader's ring, for process workers
+    slot_pool: SlotPool | None = None  # the loader's slot pool, for process workers
     ring_slots: int | None = None
     deterministic: bool = False
     terms: HostTerms = field(default_factory=HostTerms)  # the device stage's, if any
-    # Where a dataset whose tail runs on whole batches has it run (see fastfeed.tail): what the
+    # Where a dataset whose tail runs on whole batches has it run (fastfeed.tail_split): what the
     # workers read and collate with, and what finishes their batches (same batches).
     tail: TailPlacement = field(default_factory=TailPlacement)
 
@@ -101,7 +101,7 @@ class PoolOptions:
 
 
 class IteratorPlanner:
-    """A loader's side of its iterators: what one iterator leaves to the next (the ring, the
+    """A loader's side of its iterators: what one iterator leaves to the next (the slot pool, the
     tuner, the first epochs' rates, a state to resume from), and the decisions each new one
     starts from. One per loader, never copied with it.
 
@@ -112,7 +112,7 @@ class IteratorPlanner:
     def __init__(self, telemetry: Telemetry) -> None:
         self.telemetry = telemetry
         self.carry_over = CarryOver()
-        self.ring: SlotRing | None = None  # one per loader, made on first use
+        self.slot_pool: SlotPool | None = None  # one per loader, made on first use
         self._decided_mode = False
 
     def setup(self, loader: DataLoader, options: PoolOptions) -> IteratorSetup:
@@ -131,7 +131,7 @@ class IteratorPlanner:
             worker_mode=worker_mode,
             ray_options=options.ray_options,
             tuner=tuner,
-            ring=self._ring(worker_mode, options.ring_slots, options.terms.copy_device),
+            slot_pool=self._slot_pool(worker_mode, options.ring_slots, options.terms.copy_device),
             ring_slots=options.ring_slots,
             deterministic=options.deterministic,
             terms=options.terms,
@@ -157,14 +157,14 @@ class IteratorPlanner:
                 f"{m} {r:,.1f} batches/s" for m, r in rates.items()) + f" -> {chosen}")
         return chosen
 
-    def _ring(self, worker_mode: WorkerKind, ring_slots: int | None, copy_device: int | None
-              ) -> SlotRing | None:
-        """The loader's ring, made on first use and kept across epochs (page-locking is slow
+    def _slot_pool(self, worker_mode: WorkerKind, ring_slots: int | None, copy_device: int | None
+              ) -> SlotPool | None:
+        """The loader's slot pool, made on first use and kept across epochs (page-locking is slow
         and synchronising). Its slots are page-locked only when fastfeed owns every copy out
         of them (``device="cuda"``): a slot the user copies from must not be (invariant 2)."""
-        if worker_mode not in ("process", "ray") or ring_slots == 0 or not ring_supported():
+        if worker_mode not in ("process", "ray") or ring_slots == 0 or not slots_supported():
             return None
-        if self.ring is None:
+        if self.slot_pool is None:
             pin = None if copy_device is None else Pinner(copy_device)
-            self.ring = SlotRing(max_slots=0, pin=pin)
-        return self.ring
+            self.slot_pool = SlotPool(max_slots=0, pin=pin)
+        return self.slot_pool

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch.utils.data import DataLoader
 
-from fastfeed.iterators.base import BaseIterator, HostBatch
+from fastfeed.iterators.base_iterator import BaseIterator, HostBatch
 from fastfeed.iterators.setup import IteratorSetup
 from fastfeed.produce import Producer
 
@@ -12,7 +12,7 @@ __all__ = ["SingleProcessIterator"]
 
 
 class SingleProcessIterator(BaseIterator):
-    """Loads every batch in the main process; there is nothing to cross, so no ring."""
+    """Loads every batch in the main process; there is nothing to cross, so no slot pool."""
 
     def __init__(self, loader: DataLoader, setup: IteratorSetup) -> None:
         super().__init__(loader, setup)

@@ -12,7 +12,7 @@ error or its replica's end, has reached the main process)::
 * When a replica ends, the tasks already queued behind it never run: the pool cancels them
   (their slots go back once) before the worker is marked EXHAUSTED, which needs none left.
 * A worker may exit only when STOPPED, and is stopped only when it owes nothing: a batch sent
-  outside the ring is fetched from the process that made it. Any other exit is a crash.
+  outside the slot pool is fetched from the process that made it. Any other exit is a crash.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ class WorkerTable:
                 if w.state is WorkerState.ACTIVE and (task := w.handle.task_id) is not None]
 
     def mapping_slots(self) -> list[_Worker]:
-        """Workers that must hear of new and retired ring slots."""
+        """Workers that must hear of new and retired pool slots."""
         return [w for w in self._workers if w.state is not WorkerState.STOPPED]
 
     def resumable(self) -> list[int]:

@@ -53,7 +53,7 @@ def patch(fast_decode: bool = False, augment_device: str | None = None,
 
     Args:
         fast_decode (bool): decode JPEGs at least twice ``imgsz`` at a reduced DCT scale
-            (see :mod:`fastfeed.ultralytics.decode`). Output sizes are Ultralytics'; pixels
+            (see :mod:`fastfeed.ultralytics.reduced_decode`). Output sizes are Ultralytics'; pixels
             differ slightly from its full-size decode, so this is opt-in. Default: ``False``.
         augment_device (str, optional): run the training loader's random perspective warp,
             HSV jitter and flips on this device (``"cuda"``), as batch ops on the copy stream;
@@ -136,10 +136,10 @@ def _swap_ultralytics(fast_decode: bool, augment_device: str | None, cache: str 
     from ultralytics.data import augment, base, build
     from ultralytics.utils import dist
 
-    from fastfeed.ultralytics.decode import reduced_load_image
     from fastfeed.ultralytics.hsv import exact_hsv
     from fastfeed.ultralytics.labels import copy_labels
     from fastfeed.ultralytics.mosaic import lazy_mosaic
+    from fastfeed.ultralytics.reduced_decode import reduced_load_image
     from fastfeed.ultralytics.warp import exact_warp
 
     shared = cache == "shared"

@@ -7,7 +7,7 @@ those three record what they would do instead of doing it: ``RandomPerspective``
 reverses the channels. Every random number is drawn by Ultralytics' own
 code, in its order, so labels and boxes are exactly the stock ones. The sample carries the
 part of the unwarped canvas that the warp reads (about 40 % of a mosaic canvas, on average)
-and those parameters; :class:`CanvasCollate` packs the parts into the ring slot, and
+and those parameters; :class:`CanvasCollate` packs the parts into the pool slot, and
 :class:`PixelOps`, FastLoader's ``gpu_transform``, applies the parameters to the whole batch on
 the device (:mod:`fastfeed.ultralytics.pixel_ops`), so that the trainer receives the ``img`` it
 would have received, already on the GPU.

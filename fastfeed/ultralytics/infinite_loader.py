@@ -79,7 +79,7 @@ class InfiniteFastLoader(FastLoader):
 
 def _with_slot_images(dataset: Any, options: dict[str, Any], augment_device: str | None
                       ) -> dict[str, Any]:
-    """``options`` whose collate gathers the images into the ring slot, and, with
+    """``options`` whose collate gathers the images into the pool slot, and, with
     ``augment_device``, whose workers leave the pixel work to that device where it qualifies."""
     from fastfeed.ultralytics import gpu_augment, slot_collate
 

@@ -259,7 +259,7 @@ def _open_for(dataset: Any, budget_gib: float | None, decoder: str) -> SharedIma
     for i, label in enumerate(dataset.labels):
         hw0 = label.get("shape")
         if hw0 is None:  # rect training pops it; read the size back from the file
-            from fastfeed.vision.decode import image_size
+            from fastfeed.vision.window_decode import image_size
 
             width, height = image_size(Path(dataset.im_files[i]).read_bytes(),
                                        str(dataset.im_files[i]))

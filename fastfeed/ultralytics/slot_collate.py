@@ -1,4 +1,4 @@
-"""Ultralytics' ``collate_fn`` with ``batch["img"]`` gathered straight into the ring slot.
+"""Ultralytics' ``collate_fn`` with ``batch["img"]`` gathered straight into the pool slot.
 
 Stock, each worker's ``Format`` copies every image to a contiguous ``C×H×W`` tensor (reversing
 BGR to RGB), ``YOLODataset.collate_fn`` stacks those into a batch, and a loader then copies the
@@ -97,7 +97,7 @@ class InWorkers:
 
 
 class SlotCollate:
-    """Ultralytics' ``collate_fn``, with ``batch["img"]`` written straight into the ring slot.
+    """Ultralytics' ``collate_fn``, with ``batch["img"]`` written straight into the pool slot.
 
     A sample's ``img`` is a :class:`FormattedImage` (gathered as ``C×H×W``), or a tensor
     (stacked as it is: ``Format``'s own output where the workers were not prepared, or a canvas

@@ -9,10 +9,10 @@ Example:
 """
 
 from fastfeed.vision.accelerate import accelerate, batch_tail
-from fastfeed.vision.backends import image_loader
-from fastfeed.vision.decode import DecodeError, decode_resized_crop, roi_decoder_available
 from fastfeed.vision.folder import ImageFolder
+from fastfeed.vision.folder_loader import image_loader
 from fastfeed.vision.image_collate import ImageCollate, YoloCollate
+from fastfeed.vision.window_decode import DecodeError, decode_resized_crop, roi_decoder_available
 from fastfeed.vision.yolo import YoloDataset, parse_labels
 
 __all__ = [

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from fastfeed.vision.decode import Box
+from fastfeed.vision.window_decode import Box
 
 __all__ = ["center_crop_box", "letterbox_geometry", "random_flip", "random_resized_crop_box"]
 

@@ -10,7 +10,7 @@ from torch.utils.data import Dataset
 
 from fastfeed.skip import SKIP
 from fastfeed.vision.augment import center_crop_box, random_flip, random_resized_crop_box
-from fastfeed.vision.decode import DecodeError, decode_resized_crop
+from fastfeed.vision.window_decode import DecodeError, decode_resized_crop
 
 __all__ = ["IMG_EXTENSIONS", "ImageFolder", "find_classes"]
 
@@ -38,7 +38,7 @@ class ImageFolder(Dataset):
     ``(image, target)`` with ``image`` a uint8 ``3 × size × size`` (CHW, RGB) tensor: a
     random-resized crop (scale 0.08–1, ratio 3/4–4/3) and a horizontal flip when ``train``,
     else the central crop of ``crop_fraction`` of the short side. Only the crop window is
-    decoded (see :mod:`fastfeed.vision.decode`). Collate with :class:`ImageCollate` (or
+    decoded (see :mod:`fastfeed.vision.window_decode`). Collate with :class:`ImageCollate` (or
     ``default_collate``) to get a uint8 ``N × 3 × size × size`` batch.
 
     Args:

@@ -57,17 +57,17 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from fastfeed import pinning
 from fastfeed._torch_compat import default_collate
 from fastfeed.device import pinned_source
-from fastfeed.vision.decode import (
+from fastfeed.slots import page_lock
+from fastfeed.vision.resample import FIELDS, UINT8, PixelAffine, crop_geometry, resize_crops
+from fastfeed.vision.window_decode import (
     FRAME_MARKERS,
     DecodeError,
     decode_resized_crop,
     image_size,
     jpeg_ends,
 )
-from fastfeed.vision.resample import FIELDS, UINT8, PixelAffine, crop_geometry, resize_crops
 
 __all__ = ["DecodeCrops", "EncodedCrop", "JpegDecoder", "NvjpegDecoder", "collate_crops",
            "decode_stream", "encoded_collate", "gpu_decodable"]
@@ -170,7 +170,7 @@ class EncodedCrop:
 
     @classmethod
     def encoded(cls, data: bytes, geometry: np.ndarray, path: str) -> EncodedCrop:
-        """A file for the GPU, as the bytes read (no copy: the ring copies them anyway)."""
+        """A file for the GPU, as the bytes read (no copy: the slot pool copies them anyway)."""
         return cls(geometry, data=np.frombuffer(data, dtype=np.uint8), path=path)
 
     @classmethod
@@ -229,7 +229,7 @@ def decode_stream(device: torch.device) -> Any:
     with _decode_streams_lock:
         stream = _decode_streams.get(index)
         if stream is None:
-            handle = pinning.TorchCudaRuntime().stream_create(index)
+            handle = page_lock.TorchCudaRuntime().stream_create(index)
             stream = torch.cuda.ExternalStream(handle, device=torch.device("cuda", index))
             _decode_streams[index] = stream
     return stream
@@ -293,7 +293,7 @@ class DecodeCrops:
     The decoder takes the batch's files in one call. If it refuses them, it is given one file
     at a time, and each file it refuses is decoded on the host, as the workers decode, and
     copied to the device to join the batch; a file neither decodes raises
-    :class:`~fastfeed.vision.decode.DecodeError`, naming it.
+    :class:`~fastfeed.vision.window_decode.DecodeError`, naming it.
 
     Args:
         affine: the conversion and normalisation folded into the resize.
@@ -317,7 +317,7 @@ class DecodeCrops:
         """The files decoded on ``device``, in order; those the decoder refuses, on the
         host."""
         # torch warns on a read-only array: the bytes as a worker read them (thread workers,
-        # the dataset read directly) are; a ring slot is not
+        # the dataset read directly) are; a pool slot is not
         files = [torch.from_numpy(data if data.flags.writeable else data.copy())
                  for data in encoded]
         try:

@@ -3,7 +3,7 @@
 Images may be CHW tensors (fastfeed's datasets) or HWC numpy arrays (OpenCV-style datasets);
 the C++ gather copies them, transposing HWC to CHW in the same pass. Both collates are
 *slot-aware*: in a FastLoader worker, ``collate_into(samples, empty)`` gets an allocator that
-returns memory in the ring slot, so the batch is written there directly. Called plainly
+returns memory in the pool slot, so the batch is written there directly. Called plainly
 (``collate(samples)``), for example by torch's DataLoader, they allocate ordinary tensors and
 give the same result.
 """

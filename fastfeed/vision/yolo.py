@@ -12,8 +12,8 @@ from torch.utils.data import Dataset
 
 from fastfeed.skip import SKIP
 from fastfeed.vision.augment import letterbox_geometry, random_flip
-from fastfeed.vision.decode import DecodeError, decode_resized_crop, image_size
 from fastfeed.vision.folder import IMG_EXTENSIONS, _check_on_error
+from fastfeed.vision.window_decode import DecodeError, decode_resized_crop, image_size
 
 __all__ = ["YoloDataset", "letterbox_boxes", "parse_labels"]
 

@@ -24,7 +24,7 @@ It is not a recorder of calls: code that breaks a rule gets wrong bytes, or a co
   ``record_stream`` named other streams; then only once each of them has passed the point it
   was at when the block was freed.
 - **Page-locked memory**: ranges registered with ``cudaHostRegister`` (through
-  :attr:`Gpu.runtime`, the ring's) and torch's pinned pool, whose blocks live until the copies
+  :attr:`Gpu.runtime`, the slot pool's) and torch's pinned pool, whose blocks live until the copies
   that read them have run (as torch's events keep them).
 - **The sync detector**: :attr:`Gpu.syncs` lists every host-device synchronisation with the
   thread that made it: ``Event``/``Stream``/device ``synchronize``, host reads of device values,

@@ -141,8 +141,8 @@ class _Pointer:
 
 
 class FakeRuntime:
-    """The ring's CUDA runtime (fastfeed.pinning.CudaRuntime): registration marks a range
-    page-locked; ``refuse=True`` fails every registration."""
+    """The page-locking CUDA runtime (fastfeed.slots.page_lock.CudaRuntime): registration marks
+    a range page-locked; ``refuse=True`` fails every registration."""
 
     def __init__(self, gpu: Gpu, refuse: bool = False) -> None:
         self.gpu, self.refuse = gpu, refuse

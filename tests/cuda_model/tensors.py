@@ -12,7 +12,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from cuda_model.device import DEVICE, Event, Gpu, Stream, _layout, _plain, _Pointer, _within
-from fastfeed import pinning
+from fastfeed.slots import page_lock
 
 _gpu: Gpu | None = None  # the model installed for the running test
 _HOST_TO = torch.Tensor.to
@@ -75,7 +75,7 @@ def to_device(gpu: Gpu, tensor: torch.Tensor, non_blocking: bool) -> DeviceTenso
         if tensor.numel():
             nbytes = tensor.numel() * tensor.element_size()
             source, dest = tensor.data_ptr(), gpu.pointer(out).address
-            # torch's pool keeps its block until the copy has read it; a ring slot is read by
+            # torch's pool keeps its block until the copy has read it; a pool slot is read by
             # address only: nothing keeps it but its fence.
             held = tensor.untyped_storage() if _within(gpu.pool, source) else None
 
@@ -274,7 +274,7 @@ def install(monkeypatch, gpu: Gpu) -> Gpu:
     replace(torch.cuda, "current_stream", gpu.current_stream)
     replace(torch.cuda, "default_stream", lambda device=None: gpu.default)
     replace(torch.cuda, "synchronize", gpu.synchronize)
-    replace(pinning, "TorchCudaRuntime", lambda: gpu.runtime)
+    replace(page_lock, "TorchCudaRuntime", lambda: gpu.runtime)
 
     def to(self, *args, **kwargs):
         if isinstance(self, DeviceTensor):

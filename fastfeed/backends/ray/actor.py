@@ -5,7 +5,7 @@ a thread of its own fed through in-process queues, so seeding, ``get_worker_info
 ``worker_init_fn``, errors, IterableDataset exhaustion and persistent epochs cannot drift
 from a local worker's. Each actor call hands the loop one message and returns its reply, with
 the batch made ready for Ray's object store (:mod:`fastfeed.backends.ray.wire`), collated into
-memory the actor reuses for every batch, as a worker process collates into a ring slot. Ray
+memory the actor reuses for every batch, as a worker process collates into a pool slot. Ray
 runs an actor's calls one at a time, in the order they were submitted: the protocol's order.
 """
 
@@ -35,7 +35,7 @@ from fastfeed.protocol import (
     Task,
     WorkerConfig,
 )
-from fastfeed.ring.memory import ALIGN, round_up
+from fastfeed.slots.memory import ALIGN, round_up
 from fastfeed.worker import worker_loop
 
 __all__ = ["RayWorker"]
@@ -108,7 +108,7 @@ class RayWorker:
 
 class _ReusedMemory:
     """``collate_fn``, stacking its tensors into memory that every batch reuses (as a worker
-    process collates into a ring slot): its pages are faulted in once, not for every batch.
+    process collates into a pool slot): its pages are faulted in once, not for every batch.
 
     Reuse is safe because Ray copies a call's reply into its object store before the actor
     runs its next call, and the loop collates a batch only when a call asks for it. Each

@@ -33,14 +33,14 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from fastfeed.backends.base import FromWorker, WorkerExited, WorkerKind
+from fastfeed.backends.interface import FromWorker, WorkerExited, WorkerKind
 from fastfeed.backends.ray.actor import RayWorker
+from fastfeed.backends.ray.cluster import actor_options, connected_ray
 from fastfeed.backends.ray.landing import Landing
-from fastfeed.backends.ray.options import actor_options, connected_ray
 from fastfeed.backends.ray.remote import RemoteWorker
 from fastfeed.collate import Empty
 from fastfeed.protocol import Answer, EpochStarted, Produced, Skipped, Task, WorkerConfig
-from fastfeed.ring import SlotRing
+from fastfeed.slots import SlotPool
 
 __all__ = ["RayBackend"]
 
@@ -53,9 +53,9 @@ class RayBackend:
     """Ray actors on the cluster this process is connected to.
 
     Args:
-        ring: the loader's ring, into whose slots this process lands the batches.
+        slot_pool: the loader's, into whose slots this process lands the batches.
         ray_options: where the actors go and what each takes (see
-            :func:`fastfeed.backends.ray.options.actor_options`).
+            :func:`fastfeed.backends.ray.cluster.actor_options`).
         landing_tail: finishes each batch as it lands (see
             :class:`~fastfeed.backends.ray.landing.Landing`).
 
@@ -66,7 +66,7 @@ class RayBackend:
 
     kind: WorkerKind = "ray"
 
-    def __init__(self, ring: SlotRing | None, ray_options: dict[str, Any] | None = None,
+    def __init__(self, slot_pool: SlotPool | None, ray_options: dict[str, Any] | None = None,
                  landing_tail: Callable[[Any, Empty], Any] | None = None) -> None:
         self._ray = connected_ray()
         self._exceptions = self._ray.exceptions
@@ -77,7 +77,7 @@ class RayBackend:
         self._workers: dict[int, RemoteWorker] = {}
         # The workers' configuration but their seats, in the object store (see spawn()).
         self._shared: tuple[WorkerConfig, Any] | None = None
-        self._landing = Landing(ring, landing_tail)
+        self._landing = Landing(slot_pool, landing_tail)
 
     # -- starting and ending actors ----------------------------------------------------------
     def start(self, config: WorkerConfig) -> RemoteWorker:

@@ -1,7 +1,7 @@
-"""Landing a batch that came back from a Ray actor: from the object store into the task's ring
+"""Landing a batch that came back from a Ray actor: from the object store into the task's pool
 slot, copied once (or finished there by a batch tail), on one core.
 
-No remote process maps the ring: this process writes every slot a Ray worker's batch goes
+No remote process maps the slot pool: this process writes every slot a Ray worker's batch goes
 to, while the task holds the slot's ticket.
 """
 
@@ -20,7 +20,7 @@ from fastfeed.backends.ray.wire import unship
 from fastfeed.codec import decode, encode, slot_bytes_needed
 from fastfeed.collate import Empty, torch_empty
 from fastfeed.protocol import Encoded, Shipped
-from fastfeed.ring import Arena, Lease, SlotRing
+from fastfeed.slots import Arena, Lease, SlotPool
 
 __all__ = ["Landing"]
 
@@ -52,7 +52,7 @@ def _on_one_core() -> Iterator[None]:
 
 
 class _PrivateSlot:
-    """A slot of this process's own, for a task sent without one: the ring adopts its
+    """A slot of this process's own, for a task sent without one: the slot pool adopts its
     descriptor (``detach()``), as it adopts a worker process's slot, or it closes with its
     arena."""
 
@@ -72,35 +72,35 @@ class Landing:
     """Where Ray workers' batches land.
 
     Args:
-        ring: the loader's ring (None: each batch lands in memory of its own).
+        slot_pool: the loader's (None: each batch lands in memory of its own).
         tail: ``tail(batch, empty)`` finishes each batch as it lands, writing its output with
             the slot's allocator: the workers then ship a dataset's short items (uint8
             images: a quarter of float32's bytes through the object store), and the float
             batch is written into the slot where a copy would have been
-            (:mod:`fastfeed.tail`).
+            (:mod:`fastfeed.tail_split`).
     """
 
-    def __init__(self, ring: SlotRing | None,
+    def __init__(self, slot_pool: SlotPool | None,
                  tail: Callable[[Any, Empty], Any] | None = None) -> None:
-        self._ring = ring
+        self._slot_pool = slot_pool
         self._tail = tail
 
     def land(self, shipped: Shipped, slot_id: int | None) -> Encoded | Any:
         """The batch, copied once from the object store, or finished from there by the
-        tail: into the task's ring slot, or into a slot of this process's own for a task sent
-        without one (the ring adopts it); without a ring, into memory of its own."""
+        tail: into the task's pool slot, or into a slot of this process's own for a task sent
+        without one (the slot pool adopts it); without a slot pool, into memory of its own."""
         with _on_one_core():
             return self._land(shipped, slot_id)
 
     def _land(self, shipped: Shipped, slot_id: int | None) -> Encoded | Any:
         batch = unship(shipped)
         tail = self._tail
-        if self._ring is None:  # the shipped batch copied out, then finished
+        if self._slot_pool is None:  # the shipped batch copied out, then finished
             buffer = torch.empty(shipped.nbytes, dtype=torch.uint8)
             batch = decode(encode(batch, Arena(None, buffer)), Lease(buffer.numpy()))
             return batch if tail is None else tail(batch, torch_empty)
         if slot_id is not None:
-            memory: np.ndarray = self._ring.assigned_memory(slot_id)
+            memory: np.ndarray = self._slot_pool.assigned_memory(slot_id)
             arena = Arena(slot_id, torch.from_numpy(memory))
             return encode(batch if tail is None else tail(batch, arena.empty), arena)
         nbytes = shipped.nbytes

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from fastfeed.backends.base import ToWorker
+from fastfeed.backends.interface import ToWorker
 from fastfeed.protocol import SlotAdded, StartEpoch, Stop, Task, WorkerConfig
 
 __all__ = ["Actors", "Call", "RemoteWorker"]
@@ -34,7 +34,7 @@ class Call:
 
 
 class RemoteWorker:
-    """One worker on the cluster (a :class:`~fastfeed.backends.base.WorkerHandle`).
+    """One worker on the cluster (a :class:`~fastfeed.backends.interface.WorkerHandle`).
 
     A message sent to it becomes an actor call. It has no process here: no pid for the
     tuner's /proc readings, and no exit reason, since a lost actor is restarted, not reported.
@@ -60,7 +60,7 @@ class RemoteWorker:
             self.calls.append(Call(message, self._actor.run.remote(message)))
 
     def announce_slots(self, created: Sequence[SlotAdded], retired: Sequence[int]) -> None:
-        pass  # no remote process maps the ring: this one lands every batch in its slot
+        pass  # no remote process maps the slot pool: this one lands every batch in its slot
 
     def exit_reason(self) -> str | None:
         return None

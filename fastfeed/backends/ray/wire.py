@@ -1,13 +1,13 @@
 """A batch as it crosses Ray's object store: its structure pickled, its memory out of band.
 
-A worker process hands its batch over in a ring slot or, failing that, in torch's shared
+A worker process hands its batch over in a pool slot or, failing that, in torch's shared
 memory, by file descriptor; neither reaches another machine. An actor's batch travels as
 :class:`~fastfeed.protocol.Shipped` instead: the batch pickled (protocol 5) with each plain
 tensor replaced by a descriptor of its storage, and each storage (and each contiguous numpy
 array) as an out-of-band buffer, which Ray writes into its object store once and never pickles.
 
 The main process rebuilds the batch over those buffers: read-only views of the object store,
-no copy, alive only until the codec has copied the batch into a ring slot. Views keep their
+no copy, alive only until the codec has copied the batch into a pool slot. Views keep their
 storage, as torch's own pickling keeps it: ``(x, x[0])`` arrives as two tensors over one
 storage, so the codec places them as it places a worker process's.
 """
@@ -24,7 +24,7 @@ import torch
 
 from fastfeed._copy import bytes_are_values
 from fastfeed.protocol import Shipped
-from fastfeed.ring.memory import ALIGN
+from fastfeed.slots.memory import ALIGN
 
 __all__ = ["ShippedTensor", "ship", "unship"]
 

@@ -7,7 +7,7 @@ random draws (torchvision's from torch's generator, timm's from Python's ``rando
 same order, so labels, order and augmentation parameters equal the stock pipeline's for the
 same seed. Only the pixels are made differently: just the window of the JPEG is decoded, at a
 reduced DCT scale, then resized with torch's antialiased uint8 kernel
-(:mod:`fastfeed.vision.decode`), a few grey levels from Pillow's result.
+(:mod:`fastfeed.vision.window_decode`), a few grey levels from Pillow's result.
 
 The package, one job a module:
 
@@ -17,7 +17,7 @@ The package, one job a module:
   ``ColorJitter``, RandAugment, ``RandomErasing``, anything), which the user's own objects run
   in order, making the same random draws as in the stock pipeline;
 - :mod:`~.geometry`: the window, drawn by the transforms' own code;
-- :mod:`~.tail`: the tail per sample, or on whole batches (in the ring slot, or on the device);
+- :mod:`~.tail`: the tail per sample, or on whole batches (in the pool slot, or on the device);
 - :mod:`~.fused`: the accelerated dataset's loader and transform;
 - :mod:`~.on_gpu`: ``decode_device="cuda"``, the decode and all of the prefix and tail on the
   GPU (the crop windows and flips still drawn by the workers, with the user's objects).
@@ -41,7 +41,7 @@ from fastfeed.vision.accelerate.fused import (
 )
 from fastfeed.vision.accelerate.on_gpu import GpuDecodeTransform, pixel_affine
 from fastfeed.vision.accelerate.plan import UnsupportedPipeline, compile_plan
-from fastfeed.vision.accelerate.tail import BatchTail, TailCollate
+from fastfeed.vision.accelerate.tail_ops import BatchTail, TailCollate
 from fastfeed.vision.folder import ImageFolder
 
 __all__ = [

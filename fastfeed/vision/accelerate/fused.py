@@ -14,11 +14,11 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
-from fastfeed.tail import BatchTailSplit
+from fastfeed.tail_split import BatchTailSplit
 from fastfeed.vision.accelerate.geometry import draw_window, needs_padding
 from fastfeed.vision.accelerate.plan import Plan
-from fastfeed.vision.accelerate.tail import BatchTail, TailCollate, convert, run, tail_ops
-from fastfeed.vision.decode import decode_resized_crop, image_size
+from fastfeed.vision.accelerate.tail_ops import BatchTail, TailCollate, convert, run, tail_ops
+from fastfeed.vision.window_decode import decode_resized_crop, image_size
 
 __all__ = ["EncodedImage", "FusedTransform", "deferred_for_device", "read_encoded",
            "with_transform"]
@@ -71,7 +71,7 @@ class FusedTransform:
         return f"FusedTransform(\n    {inner}\n)"
 
     def split_batch_tail(self, dataset: Dataset) -> BatchTailSplit | None:
-        """The :mod:`fastfeed.tail` hook: ``dataset`` (whose transform this is) with items
+        """The :mod:`fastfeed.tail_split` hook: ``dataset`` (whose transform this is) with items
         stopped at uint8, and the tail that finishes its batches (see
         :func:`deferred_for_device`)."""
         deferred = deferred_for_device(dataset)

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from fastfeed.vision.accelerate.recognise import CROPS, TIMM_RRC, interpolation_mode
-from fastfeed.vision.decode import Box
+from fastfeed.vision.window_decode import Box
 
 __all__ = ["SourceWindow", "draw_window", "needs_padding"]
 

@@ -14,7 +14,7 @@ its worker the CPU route's way (the same draws) and joins its batch on the GPU; 
 refuses all the same is decoded on the host with its batch, and one nothing decodes raises,
 naming it.
 
-FastLoader with a device chooses the route (the :mod:`fastfeed.tail` hook); read directly, or
+FastLoader with a device chooses the route (the :mod:`fastfeed.tail_split` hook); read directly, or
 by another loader, the dataset is the CPU route's. The pixels differ from Pillow's (nvJPEG
 does no fancy chroma upsampling; the resize is in float): the route is opted into.
 """
@@ -26,12 +26,11 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from fastfeed.tail import BatchTailSplit
+from fastfeed.tail_split import BatchTailSplit
 from fastfeed.vision.accelerate.fused import EncodedImage, FusedTransform, with_transform
 from fastfeed.vision.accelerate.geometry import draw_window, needs_padding
 from fastfeed.vision.accelerate.plan import Plan, UnsupportedPipeline
-from fastfeed.vision.accelerate.tail import BatchTail
-from fastfeed.vision.decode import image_size
+from fastfeed.vision.accelerate.tail_ops import BatchTail
 from fastfeed.vision.gpu_decode import (
     DecodeCrops,
     EncodedCrop,
@@ -39,6 +38,7 @@ from fastfeed.vision.gpu_decode import (
     gpu_decodable,
 )
 from fastfeed.vision.resample import UINT8, PixelAffine, crop_geometry
+from fastfeed.vision.window_decode import image_size
 
 __all__ = ["CropsForGpu", "GpuDecodeTransform", "pixel_affine"]
 
@@ -121,7 +121,7 @@ class GpuDecodeTransform(FusedTransform):
         self.affine = affine
 
     def split_batch_tail(self, dataset: Dataset) -> BatchTailSplit:
-        """The :mod:`fastfeed.tail` hook: ``dataset`` with items that are encoded crops, and
+        """The :mod:`fastfeed.tail_split` hook: ``dataset`` with items that are encoded crops, and
         the GPU stage that finishes their batches; only on a device."""
         crops = with_transform(dataset, CropsForGpu(self.original, self.plan))
         return BatchTailSplit(crops, DecodeCrops(self.affine, needs_cuda=_NEEDS_CUDA),

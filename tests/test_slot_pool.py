@@ -1,4 +1,4 @@
-"""Slot lifetime (DESIGN.md invariant 2) and the ring's fallbacks."""
+"""Slot lifetime (DESIGN.md invariant 2) and the slot pool's fallbacks."""
 
 import gc
 import os
@@ -12,7 +12,7 @@ from sample_datasets import DetectionDataset, TensorDataset, detection_collate
 from torch.utils.data import DataLoader, Dataset
 
 from fastfeed import FastLoader
-from fastfeed.ring import SlotRing
+from fastfeed.slots import SlotPool
 from fastfeed.vision.image_collate import ImageCollate
 
 
@@ -28,14 +28,15 @@ def clone(batch):
     return batch
 
 
-def ring_of(loader):
-    return loader._planner.ring
+def slot_pool_of(loader):
+    return loader._planner.slot_pool
 
 
 def in_a_slot(loader, leaf):
-    """Whether a tensor or array leaf lives in one of the loader's ring slots."""
+    """Whether a tensor or array leaf lives in one of the loader's pool slots."""
     address = leaf.data_ptr() if isinstance(leaf, torch.Tensor) else leaf.ctypes.data
-    return any(s.address <= address < s.address + s.nbytes for s in ring_of(loader)._slots.values())
+    slots = slot_pool_of(loader)._slots.values()
+    return any(s.address <= address < s.address + s.nbytes for s in slots)
 
 
 def test_batches_are_views_of_ring_slots():
@@ -46,31 +47,31 @@ def test_batches_are_views_of_ring_slots():
 
 
 def test_a_short_first_epoch_leaves_the_ring_grown():
-    # The first tasks go out before the ring knows the batch size. Their workers write the
-    # batches into slots of their own, which the ring keeps: the next epoch finds them with
-    # their pages faulted in, instead of growing (and faulting in) the ring again.
+    # The first tasks go out before the slot pool knows the batch size. Their workers write the
+    # batches into slots of their own, which the slot pool keeps: the next epoch finds them with
+    # their pages faulted in, instead of growing (and faulting in) the slot pool again.
     loader = FastLoader(TensorDataset(n=20), batch_size=4, num_workers=2, persistent_workers=True)
     first = list(loader)  # 5 batches, 4 of them sent at once
-    ring = ring_of(loader)
+    slot_pool = slot_pool_of(loader)
     in_slot = [in_a_slot(loader, b[0]) for b in first]
     assert all(in_slot), in_slot
-    assert ring.occupancy == (5, 5)
+    assert slot_pool.occupancy == (5, 5)
     assert_same(first, list(DataLoader(TensorDataset(n=20), batch_size=4, num_workers=2)))
     del first
     gc.collect()
     list(loader)
-    assert ring.occupancy[1] <= ring.max_slots
+    assert slot_pool.occupancy[1] <= slot_pool.max_slots
 
 
 def test_a_batch_sent_without_a_slot_is_sized_without_touching_shared_memory():
     from fastfeed.codec import decode, encode
-    from fastfeed.ring import Arena
+    from fastfeed.slots import Arena
 
     batch = {"x": torch.arange(1000.0).view(10, 100), "y": np.arange(7), "name": "a"}
     message = encode(batch, Arena())
     assert not batch["x"].is_shared()  # sized by a dry run, not moved by torch's reduction
-    ring = SlotRing(2, slot_bytes=message.required)
-    lease, created = ring.adopt(message.private_slot.detach())
+    slot_pool = SlotPool(2, slot_bytes=message.required)
+    lease, created = slot_pool.adopt(message.private_slot.detach())
     assert len(created) == 1
     assert_same(decode(message, lease), batch)
     # The tensors inside an object array are counted too (it is pickled element by element).
@@ -86,23 +87,23 @@ def test_batches_beyond_a_full_ring_leave_nothing_behind():
                         ring_slots=1)
     list(loader)
     before = snapshot()
-    held = list(loader) + list(loader)  # all but one of them outside the ring
+    held = list(loader) + list(loader)  # all but one of them outside the slot pool
     assert_same(held, list(DataLoader(TensorDataset(n=40), batch_size=4)) * 2)
-    assert ring_of(loader).occupancy[1] == 1
+    assert slot_pool_of(loader).occupancy[1] == 1
     del held
     assert_no_leaks(before)
 
 
 def test_workers_map_no_memory_but_the_rings():
     # A worker's private slot is the main process's once handed over: the worker must not
-    # keep it mapped (the memory of a batch outside the ring would outlive the batch).
+    # keep it mapped (the memory of a batch outside the slot pool would outlive the batch).
     loader = FastLoader(TensorDataset(n=40), batch_size=4, num_workers=2, persistent_workers=True,
                         ring_slots=1)
     for _ in range(2):
         for _batch in loader:
             pass
     del _batch
-    ring_inodes = {os.fstat(slot.fd).st_ino for slot in ring_of(loader).slots()}
+    ring_inodes = {os.fstat(slot.fd).st_ino for slot in slot_pool_of(loader).slots()}
     for worker in loader._live_iterator()._table:
         with open(f"/proc/{worker.handle.pid}/maps") as maps:
             mapped = {int(line.split()[4]) for line in maps if "/memfd:fastfeed" in line}
@@ -173,7 +174,7 @@ def test_leaves_keep_identity_layout_and_byte_order_as_torch_gives_them():
     def run(cls):
         loader = cls(TensorDataset(n=16), batch_size=4, num_workers=2, collate_fn=layout_collate,
                      persistent_workers=True)
-        return [batch for _ in range(2) for batch in loader]  # private slots, then the ring's
+        return [batch for _ in range(2) for batch in loader]  # private slots, then the slot pool's
 
     expected, got = run(DataLoader), run(FastLoader)
     assert_same(expected, got)
@@ -215,7 +216,7 @@ def test_rows_of_a_big_tensor_do_not_copy_the_tensor():
     loader = FastLoader(dataset, batch_size=None, sampler=every_256th, num_workers=2,
                         persistent_workers=True)
     got = [row for _ in range(2) for (row,) in loader]
-    assert ring_of(loader).slot_bytes < big.nbytes // 4
+    assert slot_pool_of(loader).slot_bytes < big.nbytes // 4
     assert_same(got, [dataset[i][0] for _ in range(2) for i in every_256th])
 
 
@@ -246,7 +247,7 @@ def test_hoarded_batches_never_change(ring_slots):
             kept.append(batch)
             copies.append(clone(batch))
     assert_same(kept, copies)
-    _, allocated = ring_of(loader).occupancy
+    _, allocated = slot_pool_of(loader).occupancy
     assert allocated <= (ring_slots if ring_slots is not None else 2 * 2 + 2)
 
 
@@ -266,11 +267,11 @@ def test_slots_return_when_batches_die():
     loader = FastLoader(TensorDataset(n=80), batch_size=4, num_workers=2, persistent_workers=True)
     list(loader)
     held = list(loader)
-    used_while_held, _ = ring_of(loader).occupancy
+    used_while_held, _ = slot_pool_of(loader).occupancy
     assert used_while_held > 0
     del held
     gc.collect()
-    assert ring_of(loader).occupancy[0] == 0
+    assert slot_pool_of(loader).occupancy[0] == 0
 
 
 def test_custom_collate_tensors_and_arrays_go_to_the_slot():
@@ -283,13 +284,13 @@ def test_custom_collate_tensors_and_arrays_go_to_the_slot():
 
 
 def test_slot_aware_collate_slots_hold_one_batch():
-    # The first batches, sent before the ring knows their size, teach it: an image written by a
+    # The first batches, sent before the slot pool knows their size, teach it: an image written by a
     # slot-aware collate outside a slot is counted once, not again when the codec copies it.
     loader = FastLoader(TensorDataset(n=32, shape=(3, 32, 32), dtype=torch.uint8), batch_size=8,
                         num_workers=2, collate_fn=ImageCollate(), persistent_workers=True)
     list(loader)
     batch_bytes = 8 * 3 * 32 * 32 + 8 * 8  # images, int64 targets
-    assert batch_bytes <= ring_of(loader).slot_bytes < 2 * batch_bytes
+    assert batch_bytes <= slot_pool_of(loader).slot_bytes < 2 * batch_bytes
 
 
 class GrowingDataset(Dataset):
@@ -314,7 +315,7 @@ def test_variable_sizes_overflow_then_grow():
                         collate_fn=growing_collate, persistent_workers=True)
     list(loader)
     # The slot size follows the largest batch seen (with headroom).
-    assert ring_of(loader).slot_bytes >= 4 * 64 * 64 * 4
+    assert slot_pool_of(loader).slot_bytes >= 4 * 64 * 64 * 4
 
 
 def test_ring_is_bounded_across_epochs():
@@ -322,24 +323,24 @@ def test_ring_is_bounded_across_epochs():
     sizes = []
     for _ in range(5):
         list(loader)
-        sizes.append(ring_of(loader).nbytes)
+        sizes.append(slot_pool_of(loader).nbytes)
     assert sizes[1:] == sizes[1:2] * 4
-    assert sizes[-1] <= ring_of(loader).max_slots * ring_of(loader).slot_bytes
+    assert sizes[-1] <= slot_pool_of(loader).max_slots * slot_pool_of(loader).slot_bytes
 
 
 def test_one_ring_serves_non_persistent_epochs():
     loader = FastLoader(TensorDataset(n=40), batch_size=4, num_workers=2)
     list(loader)
-    ring = ring_of(loader)
-    assert ring.slot_bytes > 0 and ring.occupancy[1] > 0
+    slot_pool = slot_pool_of(loader)
+    assert slot_pool.slot_bytes > 0 and slot_pool.occupancy[1] > 0
     list(loader)
-    assert ring_of(loader) is ring
+    assert slot_pool_of(loader) is slot_pool
 
 
 def test_ring_refuses_slots_larger_than_memory(monkeypatch):
-    import fastfeed.ring.slots as ring_module
+    import fastfeed.slots.pool as pool_module
 
-    monkeypatch.setattr(ring_module, "available_memory", lambda: 1 << 16)
+    monkeypatch.setattr(pool_module, "available_memory", lambda: 1 << 16)
     with pytest.warns(RuntimeWarning, match="does not fit"):
         compare(lambda: TensorDataset(n=24, shape=(3, 64, 64)), batch_size=8, num_workers=2,
                 epochs=2, persistent_workers=True)
@@ -348,9 +349,9 @@ def test_ring_refuses_slots_larger_than_memory(monkeypatch):
 def test_pickled_ring_is_empty():
     import pickle
 
-    ring = SlotRing(4, slot_bytes=8192)
-    ring.acquire()
-    clone_ = pickle.loads(pickle.dumps(ring))
+    slot_pool = SlotPool(4, slot_bytes=8192)
+    slot_pool.acquire()
+    clone_ = pickle.loads(pickle.dumps(slot_pool))
     assert clone_.nbytes == 0 and clone_.slot_bytes == 8192 and clone_.max_slots == 4
 
 
@@ -396,8 +397,8 @@ def test_the_control_pipe_hands_each_slot_over_with_its_descriptor():
     """A SlotAdded arrives as one message that carries the receiver's own descriptor for the
     slot (for the same memory); a closed end is an EOFError, a gone reader an OSError."""
     from fastfeed.protocol import SlotAdded, SlotDropped
-    from fastfeed.ring.control import ControlPipe
-    from fastfeed.ring.memory import new_memfd
+    from fastfeed.slots.control import ControlPipe
+    from fastfeed.slots.memory import new_memfd
 
     main, worker = ControlPipe.pair()
     fd = new_memfd("fastfeed-test", 4096)

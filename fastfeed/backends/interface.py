@@ -5,7 +5,7 @@ only carries it out, through two objects:
 
 * :class:`WorkerBackend` starts workers, hands over their answers in the order each worker
   gave them, and shuts them all down;
-* :class:`WorkerHandle` is one started worker: messages go to it, the ring's slots are
+* :class:`WorkerHandle` is one started worker: messages go to it, the pool's slots are
   announced to it, and it says whether it is still alive (liveness).
 
 The pool grows by starting workers and shrinks by sending :class:`~fastfeed.protocol.Stop`
@@ -63,7 +63,7 @@ class WorkerHandle(Protocol):
         ...
 
     def announce_slots(self, created: Sequence[SlotAdded], retired: Sequence[int]) -> None:
-        """Tell the worker of the ring slots created and dropped since it was last told (a
+        """Tell the worker of the pool slots created and dropped since it was last told (a
         worker that maps no slot ignores it)."""
         ...
 
@@ -88,7 +88,7 @@ class WorkerBackend(Protocol):
     kind: WorkerKind
 
     def start(self, config: WorkerConfig) -> WorkerHandle:
-        """Start a worker; it maps the ring's slots that exist already, if it maps any."""
+        """Start a worker; it maps the pool's slots that exist already, if it maps any."""
         ...
 
     def next_answer(self, timeout: float) -> FromWorker:
@@ -103,6 +103,6 @@ class WorkerBackend(Protocol):
 
     def shutdown(self, wait: bool = True, then: Callable[[], None] | None = None) -> None:
         """Stop every worker this backend started, then call ``then`` once nothing of theirs
-        can write a ring slot any more. With ``wait=False`` (a finaliser, in whatever thread
+        can write a pool slot any more. With ``wait=False`` (a finaliser, in whatever thread
         the garbage collector runs) nothing blocks: joins happen on a thread of their own."""
         ...

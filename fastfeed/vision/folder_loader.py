@@ -93,7 +93,11 @@ def image_loader(
         return DaliLoader(root, batch_size, size=size, train=train, device=device,  # type: ignore[return-value]
                           drop_last=loader_kwargs.get("drop_last", False))
     if chosen == "nvjpeg":
-        from fastfeed.vision.nvjpeg import EncodedImageFolder, encoded_collate, nvjpeg_transform
+        from fastfeed.vision.encoded_folder import (
+            EncodedImageFolder,
+            encoded_collate,
+            nvjpeg_transform,
+        )
 
         gpu_transform = nvjpeg_transform(loader_kwargs.pop("gpu_transform", None))
         return FastLoader(EncodedImageFolder(root, size, train, on_error=on_error),

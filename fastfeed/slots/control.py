@@ -1,4 +1,4 @@
-"""A worker process's control pipe: the ring's slot announcements, one message each.
+"""A worker process's control pipe: the slot pool's slot announcements, one message each.
 
 A :class:`~fastfeed.protocol.SlotAdded` carries the slot's file descriptor. The pipe is a Unix
 socket pair, and each message is one ``sendmsg``: its pickled bytes, with the descriptor as

@@ -26,7 +26,7 @@ import cv2
 import numpy as np
 
 from fastfeed.ultralytics.warp import shrink_linear
-from fastfeed.vision.decode import DecodeError, image_size
+from fastfeed.vision.window_decode import DecodeError, image_size
 
 __all__ = ["dct_scale", "reduced_load_image", "target_size"]
 

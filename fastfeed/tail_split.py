@@ -7,11 +7,11 @@ one). The loader then ships the split's ``dataset``, whose items stop at, say, u
 and finishes each batch with the split's tail (:func:`place_tail` says where):
 
 - with a ``device``, on the device, on the copy stream: a quarter of the bytes cross to it;
-- with Ray workers, in the main process as it lands each batch in its ring slot: a quarter of
+- with Ray workers, in the main process as it lands each batch in its pool slot: a quarter of
   the bytes cross the object store (and the network), and the tail's float output is written
   where a plain copy would have written it;
 - else in the workers, where the split's ``collate`` writes the finished batch straight into
-  the ring slot.
+  the pool slot.
 
 The values are those of the per-sample pipeline.
 """
@@ -67,7 +67,7 @@ class TailPlacement:
         dataset: what the workers read instead of the loader's dataset.
         collate_fn: what the workers collate with instead of the loader's ``collate_fn``.
         device_tail: what the device stage runs on each batch first.
-        landing_tail: what the Ray backend runs on each batch as it lands it in a ring slot
+        landing_tail: what the Ray backend runs on each batch as it lands it in a pool slot
             (``tail_into(batch, empty)``).
     """
 
@@ -104,7 +104,7 @@ def place_tail(split: BatchTailSplit | None, on_device: bool, worker_mode: str
                ) -> TailPlacement:
     """Where ``split``'s tail runs: on the device when there is one; as Ray workers' batches
     land (they cross the object store as the split's short items collate, uint8 for images);
-    else in the workers, into the ring slot.
+    else in the workers, into the pool slot.
 
     Raises:
         ValueError: the split's tail runs only on a device, and there is none.

@@ -1,7 +1,7 @@
-"""The main process's side of the ring: slots, who owns each, and when one may be reused.
+"""The main process's side of the slot pool: slots, who owns each, and when one may be reused.
 
-The main process owns the ring (one per loader, kept across epochs). A slot has exactly one
-owner at a time, and only the ring changes it (DESIGN.md invariant 2)::
+The main process owns the slot pool (one per loader, kept across epochs). A slot has exactly one
+owner at a time, and only the slot pool changes it (DESIGN.md invariant 2)::
 
     FREE ──acquire()──> ASSIGNED(ticket) ──lease(ticket)──> LEASED ──last view dies──> FREE
                               └────────release(ticket)──────────────────────────────────┘
@@ -9,8 +9,8 @@ owner at a time, and only the ring changes it (DESIGN.md invariant 2)::
 
 ``acquire`` hands out a :class:`Ticket` (slot id + generation). The task that holds it either
 turns it into a :class:`Lease` (the batch arrived) or releases it (the task failed or was
-cancelled), once. A task sent without a slot (before the ring knows the batch size, or when
-every slot is out) has its worker write the batch into a slot of its own; the ring adopts it
+cancelled), once. A task sent without a slot (before the slot pool knows the batch size, or when
+every slot is out) has its worker write the batch into a slot of its own; the slot pool adopts it
 on arrival, already leased to that batch, or maps it once for that batch alone.
 
 A ticket of an older generation is stale: using it changes nothing, and raises
@@ -18,7 +18,7 @@ A ticket of an older generation is stale: using it changes nothing, and raises
 that releases twice can never free a slot another task owns.
 
 Every array of a delivered batch is a view of its lease's memory, so the slot returns only
-when nothing references the batch any more. A reader the ring cannot see (the GPU copying the
+when nothing references the batch any more. A reader the slot pool cannot see (the GPU copying the
 slot on a stream) is declared with :meth:`Lease.fence`: the slot is not handed out again until
 every fence on it reports completion, whatever path dropped the batch.
 """
@@ -39,17 +39,17 @@ from typing import Protocol
 import numpy as np
 
 from fastfeed._proc import available_memory
-from fastfeed.pinning import Pinner
 from fastfeed.protocol import SlotAdded
-from fastfeed.ring.memory import map_slot, new_memfd, round_up
+from fastfeed.slots.memory import map_slot, new_memfd, round_up
+from fastfeed.slots.page_lock import Pinner
 
-__all__ = ["Fence", "Lease", "SlotOwnershipError", "SlotRing", "Ticket", "slot_budget"]
+__all__ = ["Fence", "Lease", "SlotOwnershipError", "SlotPool", "Ticket", "slot_budget"]
 
 logger = logging.getLogger(__name__)
 
 # Variable-size batches (detection targets, ragged tensors) vary around the first size seen.
 _HEADROOM = 1.25
-# The ring may take at most this share of the memory the kernel reports as available.
+# The slot pool may take at most this share of the memory the kernel reports as available.
 _MAX_SHARE_OF_AVAILABLE = 0.5
 # Beyond the slots of in-flight tasks: the batch being decoded and the one the user still holds.
 _SPARE_SLOTS = 2
@@ -59,7 +59,7 @@ STRICT = os.environ.get("FASTFEED_STRICT_RING") == "1"
 
 def slot_budget(tasks_in_flight: int, held_by_prefetch: int = 0,
                 ring_slots: int | None = None) -> int:
-    """How many slots a ring may hold: ``ring_slots`` when the user fixed it, else one for
+    """How many slots a slot pool may hold: ``ring_slots`` when the user fixed it, else one for
     every task in flight, the batch being decoded, the one the training loop still holds, and
     the batches a device prefetcher holds."""
     if ring_slots is not None:
@@ -125,36 +125,36 @@ class Lease:
     """One batch's hold on a slot.
 
     ``memory`` is a uint8 view of the slot; every array of the batch views it, and the slot
-    returns to the ring when the last of those views dies. ``views`` are the tensors and arrays
+    returns to the slot pool when the last of those views dies. ``views`` are the tensors and arrays
     of the batch that the codec rebuilt over it (:func:`fastfeed.codec.decode` records them): a
     reader that must see every view of a page-locked slot (the device stage) checks it did. A
-    lease on memory outside the ring (a worker's slot the ring could not keep) has nothing to
+    lease on memory outside the pool (a worker's slot the pool could not keep) has nothing to
     fence: that memory is never page-locked, so a copy from it is staged before the call returns.
     """
 
-    __slots__ = ("_ring", "_slot", "memory", "views")
+    __slots__ = ("_slot", "_slot_pool", "memory", "views")
 
-    def __init__(self, memory: np.ndarray, ring: SlotRing | None = None,
+    def __init__(self, memory: np.ndarray, slot_pool: SlotPool | None = None,
                  slot: _Slot | None = None) -> None:
         self.memory = memory
-        self._ring = ring
+        self._slot_pool = slot_pool
         self._slot = slot
         self.views: tuple[object, ...] = ()
 
     def fence(self, fence: Fence) -> None:
         """Keep the slot from reuse until ``fence.query()`` is True."""
-        if self._ring is not None and self._slot is not None:
-            self._ring._fence(self._slot, fence)
+        if self._slot_pool is not None and self._slot is not None:
+            self._slot_pool._fence(self._slot, fence)
 
 
-class SlotRing:
-    """The main process's side of the ring.
+class SlotPool:
+    """The main process's side of the slot pool.
 
     Args:
-        max_slots: the most slots the ring holds (see :func:`slot_budget`); beyond that,
+        max_slots: the most slots the slot pool holds (see :func:`slot_budget`); beyond that,
             batches take the ordinary path.
         pin: page-locks each new slot for the CUDA device batches are copied to (see
-            :mod:`fastfeed.pinning`); ``None`` leaves slots pageable.
+            :mod:`fastfeed.slots.page_lock`); ``None`` leaves slots pageable.
         slot_bytes: initial slot size; 0 means "learn it from the first batches".
     """
 
@@ -190,7 +190,7 @@ class SlotRing:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of shared memory the ring holds now."""
+        """Bytes of shared memory the slot pool holds now."""
         with self._lock:
             return sum(s.nbytes for s in self._slots.values())
 
@@ -205,7 +205,7 @@ class SlotRing:
     def acquire(self) -> tuple[Ticket | None, list[SlotAdded], list[int]]:
         """Take a reusable slot for a task.
 
-        Returns ``(ticket, created, retired)``: the ticket (``None`` when the ring is exhausted
+        Returns ``(ticket, created, retired)``: the ticket (``None`` when the slot pool is exhausted
         or has not learned the batch size yet), slots newly created that workers must map, and
         ids of slots dropped because they are smaller than batches now need.
         """
@@ -238,7 +238,7 @@ class SlotRing:
     def release(self, ticket: Ticket) -> None:
         """Give back an assigned slot whose task will never deliver (failed, cancelled)."""
         if not self._closer.alive:
-            # Closed (the collector may finalise the ring before a shut-down pool hands its
+            # Closed (the collector may finalise the slot pool before a shut-down pool hands its
             # tickets back): there is nothing left to give back to.
             return
         with self._lock:
@@ -265,11 +265,11 @@ class SlotRing:
 
     def adopt(self, fd: int) -> tuple[Lease, list[SlotAdded]]:
         """Lease the slot a worker made for a batch sent without a ticket (see
-        :meth:`fastfeed.ring.Arena.private`); ``fd`` is owned from now on.
+        :meth:`fastfeed.slots.Arena.private`); ``fd`` is owned from now on.
 
-        The ring keeps the slot for later tasks when it has room and the slot fits the batches
+        The slot pool keeps the slot for later tasks when it has room and the slot fits the batches
         it expects: the worker has already faulted its pages in, so a short first epoch leaves
-        the ring grown, not an empty ring that the next epoch must grow (and fault in) again.
+        the pool grown, not an empty pool that the next epoch must grow (and fault in) again.
         Otherwise the lease is a one-off mapping, freed when the batch dies, as torch's shared
         memory would be. Returns ``(lease, created)``; workers must map the slots in ``created``.
         """
@@ -317,7 +317,7 @@ class SlotRing:
         if slot is not None and slot.generation == ticket.generation and slot.state is state:
             return slot
         now = "gone" if slot is None else f"{slot.state.value}, generation {slot.generation}"
-        message = (f"ring: {action} of slot {ticket.slot_id} with a stale ticket (generation "
+        message = (f"slot pool: {action} of slot {ticket.slot_id} with a stale ticket (generation "
                    f"{ticket.generation}; the slot is {now})")
         if STRICT:
             raise SlotOwnershipError(message)
@@ -335,7 +335,7 @@ class SlotRing:
         return self._install(new_memfd(f"fastfeed-slot-{self._next_id}", nbytes), nbytes)
 
     def _install(self, fd: int, nbytes: int) -> _Slot:
-        """Make the memory behind ``fd`` (owned from now on) the ring's next slot."""
+        """Make the memory behind ``fd`` (owned from now on) the slot pool's next slot."""
         try:
             memory = np.frombuffer(map_slot(fd, nbytes), dtype=np.uint8)
             pinned = self.pin is not None and self.pin.register(memory)
@@ -345,7 +345,7 @@ class SlotRing:
         slot = _Slot(self._next_id, nbytes, fd, memory, pinned)
         self._slots[slot.slot_id] = slot
         self._next_id += 1
-        logger.debug("ring: created slot %d of %d bytes (pinned: %s)", slot.slot_id, nbytes,
+        logger.debug("slot pool: created slot %d of %d bytes (pinned: %s)", slot.slot_id, nbytes,
                      pinned)
         return slot
 
@@ -360,7 +360,7 @@ class SlotRing:
         if not self._warned_memory:
             self._warned_memory = True
             warnings.warn(
-                f"fastfeed: a {self.slot_bytes / 2**20:.0f} MiB ring slot does not fit in the "
+                f"fastfeed: a {self.slot_bytes / 2**20:.0f} MiB pool slot does not fit in the "
                 f"{available / 2**20:.0f} MiB of available memory; batches take torch's "
                 "ordinary shared-memory path instead. Lower batch_size or prefetch_factor.",
                 RuntimeWarning,
@@ -369,7 +369,7 @@ class SlotRing:
         return False
 
     def __getstate__(self) -> dict:
-        # Slots are process-local mappings; a pickled loader starts with an empty ring.
+        # Slots are process-local mappings; a pickled loader starts with an empty slot pool.
         return {"max_slots": self.max_slots, "pin": self.pin, "slot_bytes": self.slot_bytes}
 
     def __setstate__(self, state: dict) -> None:

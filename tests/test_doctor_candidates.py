@@ -11,9 +11,9 @@ import torch
 from sample_datasets import TensorDataset
 from torch.utils.data import DataLoader
 
+from fastfeed.doctor.candidates import configurations, gpu_routes
 from fastfeed.doctor.findings import Option
 from fastfeed.doctor.loaders import LoaderSpec
-from fastfeed.doctor.options import configurations, gpu_routes
 from fastfeed.doctor.recommend import recommend, training_bound
 from fastfeed.doctor.trials import BASELINE, Config, TrialPlan, run_trials
 from fastfeed.nvml import GpuSample

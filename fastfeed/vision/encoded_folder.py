@@ -22,7 +22,6 @@ from typing import Any
 from fastfeed.skip import SKIP
 from fastfeed.transforms import Compose
 from fastfeed.vision.augment import random_flip
-from fastfeed.vision.decode import DecodeError, decode_resized_crop, image_size
 from fastfeed.vision.folder import ImageFolder
 from fastfeed.vision.gpu_decode import (
     DecodeCrops,
@@ -31,6 +30,7 @@ from fastfeed.vision.gpu_decode import (
     gpu_decodable,
 )
 from fastfeed.vision.resample import FIELDS, crop_geometry
+from fastfeed.vision.window_decode import DecodeError, decode_resized_crop, image_size
 
 __all__ = ["EncodedImageFolder", "encoded_collate", "nvjpeg_transform"]
 

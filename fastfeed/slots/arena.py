@@ -1,8 +1,8 @@
-"""The worker's side of the ring: its mappings of the slots, and the arena a batch is
+"""The worker's side of the slot pool: its mappings of the slots, and the arena a batch is
 written into.
 
 The main process announces each slot over the worker's control pipe
-(:class:`~fastfeed.ring.control.ControlPipe`: :class:`SlotAdded` with the file descriptor,
+(:class:`~fastfeed.slots.control.ControlPipe`: :class:`SlotAdded` with the file descriptor,
 :class:`SlotDropped`); the worker maps each slot once and reuses the mapping for every batch it
 writes there.
 """
@@ -17,14 +17,14 @@ from multiprocessing.reduction import DupFd
 import torch
 
 from fastfeed.protocol import PrivateSlot, SlotAdded, SlotDropped
-from fastfeed.ring.control import ControlPipe
-from fastfeed.ring.memory import ALIGN, map_slot, new_memfd, round_up
+from fastfeed.slots.control import ControlPipe
+from fastfeed.slots.memory import ALIGN, map_slot, new_memfd, round_up
 
 __all__ = ["Arena", "WorkerSlots"]
 
 
 class WorkerSlots:
-    """A worker's mappings of the ring's slots, kept in step over the control pipe."""
+    """A worker's mappings of the pool's slots, kept in step over the control pipe."""
 
     def __init__(self, control: ControlPipe) -> None:
         self._control = control
@@ -32,7 +32,7 @@ class WorkerSlots:
         self._largest_batch = 0  # bytes: the size of the slots this worker makes itself
 
     def arena(self, slot_id: int | None) -> Arena:
-        """Where a task's batch goes: its ring slot; without one, a slot of the worker's own
+        """Where a task's batch goes: its pool slot; without one, a slot of the worker's own
         as large as the largest batch so far; for the first batch, a counting arena (the codec
         then sizes a slot of the worker's own from the collated batch). Slots added or dropped
         since the last task are applied first."""
@@ -79,7 +79,7 @@ class Arena:
     """A bump allocator over one slot, for the arrays of one batch.
 
     An arena without a buffer allocates nothing but still counts the bytes a batch needs, so
-    the first batches, sent before the ring knows the batch size, teach it.
+    the first batches, sent before the slot pool knows the batch size, teach it.
     """
 
     def __init__(self, slot_id: int | None = None, buffer: torch.Tensor | None = None) -> None:
@@ -93,8 +93,8 @@ class Arena:
     def private(cls, nbytes: int) -> Arena:
         """An arena over a new slot of the worker's own, for a task sent without a ticket.
 
-        :meth:`export_private_slot` passes it to the main process, which adopts it into the ring
-        (:meth:`fastfeed.ring.SlotRing.adopt`). Its file descriptor closes with the arena if
+        :meth:`export_private_slot` passes it to the main process, which adopts it into the pool
+        (:meth:`fastfeed.slots.SlotPool.adopt`). Its file descriptor closes with the arena if
         it never leaves.
         """
         nbytes = round_up(nbytes, mmap.PAGESIZE)

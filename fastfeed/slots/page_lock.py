@@ -1,8 +1,8 @@
-"""Page-locking ring slots for one CUDA device (``cudaHostRegister``), failing soft.
+"""Page-locking pool slots for one CUDA device (``cudaHostRegister``), failing soft.
 
 Registering is done only for loaders that copy batches to a CUDA device themselves
 (``device="cuda"``): fastfeed then owns every copy out of a slot and fences the slot until
-the copy's event completes (see :mod:`fastfeed.ring`). Memory the user copies from
+the copy's event completes (see :mod:`fastfeed.slots`). Memory the user copies from
 (``pin_memory=True``) is never a registered slot: torch protects only the pinned memory its
 own allocator handed out.
 
@@ -173,11 +173,11 @@ class Pinner:
                 self.stopped = True
                 logger.error("cudaHostRegister failed (error %d) and no CUDA runtime library of "
                              "this process holds the error (a statically linked runtime?): torch "
-                             "may report it against its next kernel. Ring slots are no longer "
+                             "may report it against its next kernel. Pool slots are no longer "
                              "page-locked; copies are staged through torch's pinned memory",
                              error)
             elif self.failures == 1:
-                logger.warning("cudaHostRegister failed (error %d) for a %d-byte ring slot; "
+                logger.warning("cudaHostRegister failed (error %d) for a %d-byte pool slot; "
                                "copies from it are staged through torch's pinned memory",
                                error, array.nbytes)
             return False

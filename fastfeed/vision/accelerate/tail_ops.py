@@ -3,7 +3,7 @@
 Some pieces are swapped for a form with the same values that is faster or device-safe
 (:func:`tail_ops`). :class:`BatchTail` runs the conversion and an elementwise tail on a whole
 batch (on the device, on the copy stream); :class:`TailCollate` runs it in a worker, straight
-into the ring slot.
+into the pool slot.
 """
 
 from __future__ import annotations
@@ -183,7 +183,7 @@ class BatchTail:
         return self._float_start is not None
 
     def into(self, images: torch.Tensor, empty: Empty) -> Any:
-        """The tail of the uint8 ``images``, computed in memory from ``empty`` (a ring slot's
+        """The tail of the uint8 ``images``, computed in memory from ``empty`` (a pool slot's
         allocator) with no float batch in between: the conversion writes there, and
         ``Normalize`` works in place. The same values as :meth:`__call__` on ``images``.
         Needs :attr:`converts_to_float`."""
@@ -203,7 +203,7 @@ class BatchTail:
     def finish_into(self, batch: Any, empty: Empty) -> Any:
         """:meth:`__call__` on ``batch`` (``default_collate``'s, uint8 images first), its
         float images computed by :meth:`into` in memory from ``empty``: how the main process
-        finishes a batch from Ray workers as it lands it in a ring slot. Anything else takes
+        finishes a batch from Ray workers as it lands it in a pool slot. Anything else takes
         :meth:`__call__`."""
         images, *rest = batch
         if not (self.converts_to_float and type(images) is torch.Tensor
@@ -218,7 +218,7 @@ class TailCollate:
 
     The items stop at uint8 (a quarter of the bytes of float32). In a worker,
     :meth:`collate_into` stacks them once into a private buffer, then computes the float batch
-    straight into the ring slot: the per-sample pipeline would allocate, fault in and write a
+    straight into the pool slot: the per-sample pipeline would allocate, fault in and write a
     float tensor per image, then copy the batch again at collate. Values equal the per-sample
     pipeline's, and the structure equals ``default_collate``'s.
     """

@@ -22,7 +22,7 @@ from fastfeed._torch_compat import index_sampler, is_iterable_dataset, iterable_
 from fastfeed.iterators.setup import IteratorSetup
 from fastfeed.protocol import WorkerConfig
 from fastfeed.resume import EpochStart, LoaderState, RandomSources
-from fastfeed.ring import Lease
+from fastfeed.slots import Lease
 from fastfeed.telemetry import batch_length
 
 __all__ = ["BaseIterator", "HostBatch", "Position"]
@@ -30,7 +30,7 @@ __all__ = ["BaseIterator", "HostBatch", "Position"]
 
 class HostBatch(NamedTuple):
     """A batch as a host iterator hands it over, with the lease on the slot it lives in
-    (None when it lives in no ring slot)."""
+    (None when it lives in no pool slot)."""
 
     batch: Any
     lease: Lease | None
