@@ -8,12 +8,9 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
-from fastfeed._torch_compat import is_iterable_dataset
-from fastfeed.backends.ray.cluster import actor_options
+from fastfeed.backends import candidates, checked_placement
 
-__all__ = ["WORKER_MODES", "check_arguments", "cores_warning_muted"]
-
-WORKER_MODES = ("process", "thread", "auto", "ray")
+__all__ = ["check_arguments", "cores_warning_muted"]
 
 
 def _is_int(value: Any, minimum: int) -> bool:
@@ -23,25 +20,14 @@ def _is_int(value: Any, minimum: int) -> bool:
 def check_arguments(*, dataset: Any, worker_mode: Any, ray_options: Any, deterministic: bool,
                     log_every: Any, ring_slots: Any, prefetch_depth: Any, gpu_transform: Any,
                     device: Any) -> dict[str, Any] | None:
-    """Raise on an argument FastLoader cannot take; return the Ray actor options with
-    ``worker_mode="ray"`` (None otherwise).
+    """Raise on an argument FastLoader cannot take; return where the workers go, as the
+    ``worker_mode``'s backend checked ``ray_options`` (None for a backend that takes none).
 
     Raises:
         ValueError, TypeError: a bad value or combination.
-        ImportError: ``worker_mode="ray"`` without Ray installed.
+        ImportError: a backend that needs a library that is not installed (Ray).
     """
-    if worker_mode not in WORKER_MODES:
-        raise ValueError(f"worker_mode should be one of {', '.join(map(repr, WORKER_MODES))}, "
-                         f"got {worker_mode!r}")
-    if worker_mode == "thread" and is_iterable_dataset(dataset):
-        raise ValueError("worker_mode='thread' needs a map-style dataset: IterableDataset "
-                         "replicas shard by get_worker_info(), which threads cannot give")
-    if worker_mode == "thread" and deterministic:
-        raise ValueError("deterministic=True reseeds the global RNGs per sample, which "
-                         "threads share: use worker_mode='process'")
-    if ray_options is not None and worker_mode != "ray":
-        raise ValueError(f"ray_options places Ray actors: it needs worker_mode='ray', got "
-                         f"worker_mode={worker_mode!r}")
+    placement = checked_placement(worker_mode, dataset, deterministic, ray_options)
     if log_every is not None and not _is_int(log_every, minimum=1):
         raise ValueError(f"log_every should be None or a positive int, got {log_every!r}")
     if ring_slots is not None and not _is_int(ring_slots, minimum=0):
@@ -52,14 +38,14 @@ def check_arguments(*, dataset: Any, worker_mode: Any, ray_options: Any, determi
         raise TypeError(f"gpu_transform should be callable, got {type(gpu_transform).__name__}")
     if gpu_transform is not None and device is None:
         raise ValueError("gpu_transform runs on the device: pass device='cuda' (or 'cpu')")
-    return actor_options(ray_options) if worker_mode == "ray" else None
+    return placement
 
 
 @contextlib.contextmanager
 def cores_warning_muted(worker_mode: str) -> Iterator[None]:
-    """Mute torch's warning that more workers than this machine's cores may freeze it, for Ray's
-    workers, which use the cluster's cores; other modes keep it exactly as torch gives it."""
-    if worker_mode != "ray":
+    """Mute torch's warning that more workers than this machine's cores may freeze it, for
+    workers on a cluster's cores; workers on this machine keep it exactly as torch gives it."""
+    if not any(b.traits.uses_cluster_cores for b in candidates(worker_mode)):
         yield
         return
     with warnings.catch_warnings():

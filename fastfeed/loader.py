@@ -21,9 +21,8 @@ from fastfeed._torch_compat import (
     torch_iterator,
 )
 from fastfeed.arguments import check_arguments, cores_warning_muted
-from fastfeed.autotune import initial_workers
-from fastfeed.backends.ray.cluster import cluster_workers
-from fastfeed.device import DeviceStage, StageOptions, check_device
+from fastfeed.backends import candidates
+from fastfeed.device import DeviceStage, EpochPlan, StageOptions, check_device
 from fastfeed.iterators import (
     IteratorPlanner,
     IteratorSetup,
@@ -140,15 +139,15 @@ class FastLoader(DataLoader):
         deterministic: bool = False,
         log_every: int | None = None,
     ) -> None:
-        actors = check_arguments(
+        self._placement = check_arguments(
             dataset=dataset, worker_mode=worker_mode, ray_options=ray_options,
             deterministic=deterministic, log_every=log_every, ring_slots=ring_slots,
             prefetch_depth=prefetch_depth, gpu_transform=gpu_transform, device=device)
         self.autotune = num_workers == "auto"
         self._max_workers = 0  # the tuner's bound, with num_workers="auto"
-        if self.autotune:  # Ray actors: the cluster's free resources, not these cores
-            num_workers, self._max_workers = (
-                initial_workers() if actors is None else cluster_workers(actors))
+        if self.autotune:  # this machine's cores, or a cluster's free resources
+            backend = candidates(worker_mode, dataset, deterministic)[0]
+            num_workers, self._max_workers = backend.worker_bounds(self._placement)
         elif isinstance(num_workers, str):  # a TypeError, as torch's comparison with 0 raises
             raise TypeError(
                 f"num_workers should be a non-negative int or 'auto', got {num_workers!r}")
@@ -194,6 +193,7 @@ class FastLoader(DataLoader):
                                     describe=partial(_summary, weakref.ref(self)))
         self._device_stage = DeviceStage(self._telemetry)
         self._planner = IteratorPlanner(self._telemetry)  # the slot pool, what carries over
+        self._epoch_plan: EpochPlan | None = None  # the epoch __iter__ is starting
         self._live_iterator: Callable[[], Any] = lambda: None
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -206,7 +206,7 @@ class FastLoader(DataLoader):
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__
-        runtime = ("_telemetry", "_device_stage", "_planner", "_live_iterator",
+        runtime = ("_telemetry", "_device_stage", "_planner", "_epoch_plan", "_live_iterator",
                    *DATALOADER_RUNTIME)
         return {k: v for k, v in state.items() if k not in runtime}
 
@@ -233,19 +233,20 @@ class FastLoader(DataLoader):
             self._telemetry.reset()
         return snapshot
 
-    def _stage_options(self) -> StageOptions:
-        return StageOptions(self.device, self.pin_memory, self.prefetch_depth, self.gpu_transform,
-                            self.num_workers, auto_collation(self))
+    def _plan_epoch(self) -> EpochPlan:
+        """The next epoch's plan (see :class:`fastfeed.device.EpochPlan`), made once."""
+        options = StageOptions(self.device, self.pin_memory, self.prefetch_depth,
+                               self.gpu_transform, self.num_workers, auto_collation(self))
+        tail = self._planner.tail(self, self.worker_mode, on_device=self.device is not None)
+        return self._device_stage.plan(options, tail)
 
-    def _iterator_setup(self) -> IteratorSetup:
-        """Everything fastfeed decides for the next iterator (see ``iterators/setup.py``)."""
+    def _iterator_setup(self, plan: EpochPlan) -> IteratorSetup:
+        """Everything fastfeed decides for a new host iterator (see ``iterators/setup.py``)."""
         options = PoolOptions(
-            worker_mode=self.worker_mode, ray_options=self.ray_options,
+            worker_mode=self.worker_mode, placement=self._placement,
             ring_slots=self.ring_slots, deterministic=self.deterministic,
-            autotune=self.autotune, max_workers=self._max_workers,
-            on_device=self.device is not None,
-            terms=self._device_stage.terms(self._stage_options()))
-        return self._planner.setup(self, options)
+            autotune=self.autotune, max_workers=self._max_workers)
+        return self._planner.setup(self, options, plan.host)
 
     def state_dict(self) -> dict[str, Any]:
         """Return a snapshot from which :meth:`load_state_dict` resumes at the next batch.
@@ -287,7 +288,12 @@ class FastLoader(DataLoader):
             drop_persistent_iterator(self)
         if self.persistent_workers:  # nothing may read the iterator that starts an epoch
             self._device_stage.release_host()
-        iterator = self._device_stage.wrap(super().__iter__(), self._stage_options())
+        plan = self._epoch_plan = self._plan_epoch()
+        try:
+            host = super().__iter__()  # torch's own: it calls _get_iterator, or resets
+        finally:
+            self._epoch_plan = None
+        iterator = self._device_stage.wrap(host, plan)
         self._live_iterator = weakref.ref(iterator)
         return iterator
 
@@ -295,11 +301,11 @@ class FastLoader(DataLoader):
         if is_datapipe(self.dataset):
             # DataPipes (deprecated in torch) need torch's sharding hooks: use torch's iterators.
             return torch_iterator(self)
-        setup = self._iterator_setup()
+        setup = self._iterator_setup(self._epoch_plan or self._plan_epoch())
         if self.num_workers == 0:
             return SingleProcessIterator(self, setup)
-        # "auto" goes past the cores only when that measured faster; Ray's are the cluster's.
-        if not self.autotune and self.worker_mode != "ray":
+        # "auto" goes past the cores only when that measured faster; a cluster's are not these.
+        if not self.autotune and not setup.backend.traits.uses_cluster_cores:
             self.check_worker_number_rationality()
         return WorkerPoolIterator(self, setup)
 

@@ -100,7 +100,6 @@ class WorkerConfig:
     worker_id: int
     num_workers: int
     dataset_state: Any = None  # resume this IterableDataset replica from a snapshot
-    thread: bool = False
     deterministic: bool = False
 
 
@@ -181,13 +180,17 @@ class Shipped:
         payload: the pickled structure.
         buffers: the memory of its storages and arrays, out of band (``PickleBuffer`` on the
             actor, views of the object store once Ray has moved them).
-        nbytes: at least the bytes the batch takes in a pool slot: its buffers, each aligned
-            as the codec aligns what it places.
+        required: at least the bytes the batch takes in a pool slot: its buffers, each
+            aligned as the codec aligns what it places (the main process may set it to what
+            the batch takes once a batch tail has finished it there).
+        private_slot: always None: no slot of an actor's own reaches this machine (the field
+            is :class:`Encoded`'s, so that the pool reads both alike).
     """
 
     payload: bytes
     buffers: tuple[Any, ...]
-    nbytes: int
+    required: int
+    private_slot: None = None
 
 
 @dataclass(frozen=True)

@@ -100,11 +100,11 @@ def batch_tail_split(dataset: Any, collate_fn: Any, auto_collation: bool
     return None
 
 
-def place_tail(split: BatchTailSplit | None, on_device: bool, worker_mode: str
+def place_tail(split: BatchTailSplit | None, on_device: bool, lands_batches: bool
                ) -> TailPlacement:
-    """Where ``split``'s tail runs: on the device when there is one; as Ray workers' batches
-    land (they cross the object store as the split's short items collate, uint8 for images);
-    else in the workers, into the pool slot.
+    """Where ``split``'s tail runs: on the device when there is one; as this process lands
+    the workers' batches, where it does (Ray's: they cross the object store as the split's
+    short items collate, uint8 for images); else in the workers, into the pool slot.
 
     Raises:
         ValueError: the split's tail runs only on a device, and there is none.
@@ -115,6 +115,6 @@ def place_tail(split: BatchTailSplit | None, on_device: bool, worker_mode: str
         return TailPlacement(split.dataset, split.device_collate, device_tail=split.tail)
     if split.collate is None or split.tail_into is None:
         raise ValueError(split.needs_device)
-    if worker_mode == "ray":
+    if lands_batches:
         return TailPlacement(split.dataset, landing_tail=split.tail_into)
     return TailPlacement(split.dataset, collate_fn=split.collate)

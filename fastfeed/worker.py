@@ -1,10 +1,11 @@
 """The worker loop: take tasks, produce their batches, answer (see :mod:`fastfeed.protocol`).
 
-In a process, seeding, ``get_worker_info()``, ``worker_init_fn``, IterableDataset exhaustion
-and persistent-worker epochs follow torch's worker loop, so a dataset cannot tell the
-difference; only where the batch is written differs. In a thread (``worker_mode="thread"``)
-the batch is handed over as it is; threads share the process's global RNGs, so they are not
-seeded, and :func:`fastfeed.worker_info` (not torch's ``get_worker_info``) describes them.
+``worker_init_fn``, IterableDataset exhaustion and persistent-worker epochs follow torch's
+worker loop, so a dataset cannot tell the difference; only where the batch is written differs.
+What a worker sets up first is its backend's choice: a worker that owns its process
+(:func:`own_process`) is seeded and described to ``get_worker_info()`` as torch's are; a
+worker thread (:func:`share_process`) shares the process's global RNGs, so it is not seeded,
+and :func:`fastfeed.worker_info` (not torch's ``get_worker_info``) describes it.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import os
 import queue
 import random
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -43,7 +45,7 @@ from fastfeed.protocol import (
 from fastfeed.slots.arena import WorkerSlots
 from fastfeed.slots.control import ControlPipe
 
-__all__ = ["worker_info", "worker_loop"]
+__all__ = ["own_process", "share_process", "worker_info", "worker_loop"]
 
 # How often an idle worker checks that the main process is still alive.
 WATCHDOG_INTERVAL = 1.0
@@ -60,12 +62,16 @@ def worker_info() -> Any:
     return getattr(_thread_local, "info", None) or get_worker_info()
 
 
-def _setup(config: WorkerConfig) -> None:
+def share_process(config: WorkerConfig) -> None:
+    """Set up a worker thread: :func:`worker_info` describes it, with generators of its own."""
+    _thread_local.info = thread_worker_info(config.worker_id, config.num_workers,
+                                            config.base_seed + config.worker_id, config.dataset)
+
+
+def own_process(config: WorkerConfig) -> None:
+    """Set up a worker that owns its process, as torch sets up its workers: one intra-op
+    thread, the global generators seeded from the worker's seed, ``get_worker_info()``."""
     seed = config.base_seed + config.worker_id
-    if config.thread:
-        _thread_local.info = thread_worker_info(config.worker_id, config.num_workers, seed,
-                                                config.dataset)
-        return
     name_worker_process()
     torch.set_num_threads(1)
     set_copy_threads(max(1, available_cpus() // config.num_workers))
@@ -81,15 +87,20 @@ def worker_loop(
     result_queue: Any,
     shutting_down: ShutdownFlag,
     control: ControlPipe | None,
+    setup: Callable[[WorkerConfig], None],
+    kind: str,
 ) -> None:
     """Run one worker until told to stop, or until the main process disappears.
 
     Once ``shutting_down`` is set (the pool shuts down), queued tasks are skipped.
+
+    Args:
+        setup: :func:`own_process` or :func:`share_process`, run first.
+        kind: what runs the worker (``"process"``, ``"thread"``), for its errors' message.
     """
-    kind = "thread" if config.thread else "process"
     where = f"in DataLoader worker {kind} {config.worker_id}"
     try:
-        _setup(config)
+        setup(config)
         producer = Producer(config, None if control is None else WorkerSlots(control))
         start_error: Failed | None = None
         try:
@@ -139,6 +150,3 @@ def worker_loop(
     finally:
         if control is not None:
             control.close()
-    if shutting_down.is_set() and not config.thread:
-        result_queue.cancel_join_thread()
-        result_queue.close()

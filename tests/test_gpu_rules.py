@@ -249,19 +249,18 @@ def test_slots_are_page_locked_only_when_fastfeed_owns_the_copy(monkeypatch):
     # torch guards only the pinned memory it allocated, so a slot must never be handed out
     # pinned. With device="cuda" fastfeed owns the copy and fences the slot.
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    def copied_into_pinned_memory(loader):  # batches pinned ahead of the consumer, or in next()
-        return loader._device_stage._pinned_ahead(loader._stage_options()) is not None
-
     user_copies = FastLoader(TensorDataset(), batch_size=4, num_workers=2, pin_memory=True)
-    setup = user_copies._iterator_setup()
+    plan = user_copies._plan_epoch()
+    setup = user_copies._iterator_setup(plan)
     assert setup.slot_pool is not None and setup.slot_pool.pin is None
-    assert copied_into_pinned_memory(user_copies)
+    assert plan.pinned_ahead is not None  # batches pinned ahead of the consumer, or in next()
 
     fastfeed_copies = FastLoader(TensorDataset(), batch_size=4, num_workers=2, device="cuda",
                                  pin_memory=True)
     fastfeed_copies._device_stage._target = torch.device("cuda", 1)
-    setup = fastfeed_copies._iterator_setup()
-    assert setup.slot_pool.pin == Pinner(1) and not copied_into_pinned_memory(fastfeed_copies)
+    plan = fastfeed_copies._plan_epoch()
+    setup = fastfeed_copies._iterator_setup(plan)
+    assert setup.slot_pool.pin == Pinner(1) and plan.pinned_ahead is None
 
 
 def slot_holding(loader, tensor):

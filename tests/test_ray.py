@@ -16,22 +16,25 @@ import torch
 from helpers import assert_same
 from sample_datasets import MixedDataset, ShardedIterable, TensorDataset
 
-from fastfeed import FastLoader
+from fastfeed import FastLoader, codec
 from fastfeed.backends.ray.wire import ship, unship
-from fastfeed.codec import Unplaced, decode, encode
-from fastfeed.slots import Arena, Lease
+from fastfeed.slots import Lease
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def through_object_store(batch):
-    """``batch`` shipped, carried as Ray carries it (its buffers out of band, read-only on
-    arrival) and rebuilt."""
+def arrived_shipped(batch):
+    """``batch`` shipped, as it reaches the main process: its buffers read-only copies."""
     shipped = ship(batch)
     buffers: list[pickle.PickleBuffer] = []
     blob = pickle.dumps(shipped, protocol=5, buffer_callback=buffers.append)
-    arrived = pickle.loads(blob, buffers=[memoryview(bytes(b.raw())) for b in buffers])
-    return shipped, unship(arrived)
+    return pickle.loads(blob, buffers=[memoryview(bytes(b.raw())) for b in buffers])
+
+
+def through_object_store(batch):
+    """``batch`` shipped, carried as Ray carries it, and rebuilt over the object store."""
+    arrived = arrived_shipped(batch)
+    return arrived, unship(arrived)[0]
 
 
 def test_a_batch_arrives_equal_with_its_views_and_identities():
@@ -57,17 +60,45 @@ def test_a_batch_arrives_equal_with_its_views_and_identities():
     assert len(shipped.payload) < 2000
 
 
-def test_the_slot_bound_holds_every_batch_the_codec_places():
-    """What the main process sizes a slot of its own by: the codec never needs more."""
-    for batch in (MixedDataset()[3], TensorDataset()[0],
-                  {"rows": torch.arange(1000.)[::7], "pair": (torch.ones(3), torch.zeros(5))}):
-        shipped, arrived = through_object_store(batch)
-        arena = Arena(None, torch.empty(shipped.nbytes, dtype=torch.uint8))
-        encoded = encode(arrived, arena)
-        assert encoded.required <= shipped.nbytes
-        placed = pickle.loads(encoded.placed) if encoded.placed else {}
-        assert not any(isinstance(p, Unplaced) for p in placed.values()), "a tensor not placed"
-        assert_same(batch, decode(encoded, Lease(arena.buffer.numpy())))
+def in_memory(view, memory):
+    start = memory.ctypes.data
+    address = view.data_ptr() if isinstance(view, torch.Tensor) else view.ctypes.data
+    return start <= address < start + memory.nbytes
+
+
+@pytest.mark.parametrize("batch", [
+    MixedDataset()[3], TensorDataset()[0],
+    {"rows": torch.arange(1000.)[::7], "pair": (torch.ones(3), torch.zeros(5)),
+     "array": np.arange(7.0), "views": (torch.arange(6.0), torch.arange(6.0)[2:])}])
+def test_a_batch_lands_once_in_a_slot_of_the_size_it_asked_for(batch, monkeypatch):
+    """What the main process sizes a slot by is enough, every tensor and array of the batch
+    is a view of the slot, and the batch is unpickled once: never pickled again here, as the
+    slot codec of process workers would (the batch would then be unpickled twice)."""
+    from fastfeed.backends.ray import landing
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the landing went through the slot codec")
+
+    unshipped = []
+
+    def counted(*args, **kwargs):
+        unshipped.append(args)
+        return unship(*args, **kwargs)
+
+    shipped = arrived_shipped(batch)
+    lease = Lease(np.zeros(shipped.required, dtype=np.uint8))
+    monkeypatch.setattr(codec._SlotPickler, "dump", refused)
+    monkeypatch.setattr(codec._SlotUnpickler, "load", refused)
+    monkeypatch.setattr(landing, "unship", counted)
+    landed = landing.Landing().land(shipped, lease)
+    assert len(unshipped) == 1
+    assert_same(batch, landed)
+    leaves = [leaf for leaf in (landed if isinstance(landed, (tuple, list)) else
+                                [*landed.values()]) for leaf in
+              (leaf if isinstance(leaf, tuple) else (leaf,))
+              if isinstance(leaf, (torch.Tensor, np.ndarray))]
+    assert leaves and all(in_memory(leaf, lease.memory) for leaf in leaves)
+    assert {id(v) for v in lease.views} >= {id(leaf) for leaf in leaves}
 
 
 def test_worker_mode_ray_without_ray_says_how_to_install_it(monkeypatch):

@@ -1,35 +1,22 @@
 """Where workers run, behind one protocol (:mod:`fastfeed.backends.interface`): processes (the
 default; batches cross through the slot pool), threads, or Ray actors on a cluster
-(:mod:`fastfeed.backends.ray`)."""
+(:mod:`fastfeed.backends.ray`), each found by its ``worker_mode`` in
+:mod:`fastfeed.backends.registry`."""
 
-from __future__ import annotations
+from fastfeed.backends.interface import (
+    BackendArgs,
+    BackendTraits,
+    WorkerBackend,
+    WorkerExited,
+    WorkerHandle,
+)
+from fastfeed.backends.registry import (
+    AUTO,
+    WORKER_MODES,
+    backend_named,
+    candidates,
+    checked_placement,
+)
 
-from collections.abc import Callable
-from typing import Any
-
-import torch
-
-from fastfeed.backends.interface import WorkerBackend, WorkerExited, WorkerHandle, WorkerKind
-from fastfeed.backends.process import ProcessBackend
-from fastfeed.backends.thread import ThreadBackend
-from fastfeed.collate import Empty
-from fastfeed.slots import SlotPool
-
-__all__ = ["WorkerBackend", "WorkerExited", "WorkerHandle", "WorkerKind", "make_backend"]
-
-
-def make_backend(mode: WorkerKind, slot_pool: SlotPool | None,
-                 multiprocessing_context: Any = None,
-                 ray_options: dict[str, Any] | None = None,
-                 landing_tail: Callable[[Any, Empty], Any] | None = None) -> WorkerBackend:
-    """The backend for ``worker_mode`` ``mode``; process workers and Ray's landing write
-    ``slot_pool``'s slots (Ray's finishes each batch with ``landing_tail`` as it lands it, if
-    given)."""
-    if mode == "thread":
-        return ThreadBackend()
-    if mode == "ray":
-        # Only when asked for: it connects to Ray.
-        from fastfeed.backends.ray.backend import RayBackend
-
-        return RayBackend(slot_pool, ray_options, landing_tail)
-    return ProcessBackend(multiprocessing_context or torch.multiprocessing, slot_pool)
+__all__ = ["AUTO", "WORKER_MODES", "BackendArgs", "BackendTraits", "WorkerBackend",
+           "WorkerExited", "WorkerHandle", "backend_named", "candidates", "checked_placement"]

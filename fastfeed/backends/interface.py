@@ -4,9 +4,13 @@ The pool iterator decides what each worker does (:mod:`fastfeed.iterators.crew`)
 only carries it out, through two objects:
 
 * :class:`WorkerBackend` starts workers, hands over their answers in the order each worker
-  gave them, and shuts them all down;
+  gave them, rebuilds each answer's batch, and shuts them all down;
 * :class:`WorkerHandle` is one started worker: messages go to it, the pool's slots are
   announced to it, and it says whether it is still alive (liveness).
+
+A backend class also says what it is (:class:`BackendTraits`) and which loaders it cannot run
+(:meth:`WorkerBackend.refusal`): the rest of fastfeed asks those, never the backend's name
+(:mod:`fastfeed.backends.registry` maps a ``worker_mode`` to its class).
 
 The pool grows by starting workers and shrinks by sending :class:`~fastfeed.protocol.Stop`
 to one that owes nothing. What crosses is :mod:`fastfeed.protocol`'s messages, nothing else:
@@ -17,16 +21,73 @@ keeps it to itself.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, Protocol
+from dataclasses import dataclass
+from multiprocessing.process import BaseProcess
+from typing import Any, ClassVar, Protocol
 
-from fastfeed.protocol import Answer, EpochStarted, SlotAdded, StartEpoch, Stop, Task, WorkerConfig
+from fastfeed.autotune import initial_workers
+from fastfeed.codec import decode
+from fastfeed.collate import Empty
+from fastfeed.protocol import (
+    Answer,
+    Encoded,
+    EpochStarted,
+    SlotAdded,
+    StartEpoch,
+    Stop,
+    Task,
+    WorkerConfig,
+)
+from fastfeed.slots import Lease, SlotPool
 
-__all__ = ["ABANDONED_GRACE", "SHUTDOWN_GRACE", "FromWorker", "QueueFedWorker", "ToWorker",
-           "WorkerBackend", "WorkerExited", "WorkerHandle", "WorkerKind"]
+__all__ = ["ABANDONED_GRACE", "SHUTDOWN_GRACE", "BackendArgs", "BackendTraits", "FromWorker",
+           "OnThisMachine", "QueueFedWorker",
+           "ToWorker", "WorkerBackend", "WorkerExited", "WorkerHandle", "rebuild_here"]
 
-WorkerKind = Literal["process", "thread", "ray"]
 ToWorker = Task | StartEpoch | Stop
 FromWorker = Answer | EpochStarted
+
+
+@dataclass(frozen=True)
+class BackendArgs:
+    """What the pool iterator builds its backend with.
+
+    Attributes:
+        slot_pool: the loader's (None: it has none, or the backend uses none).
+        multiprocessing_context: the loader's (None: torch's default).
+        placement: where the workers go, as :meth:`WorkerBackend.placement` checked it.
+        landing_tail: finishes each batch as this process lands it (a backend whose traits
+            say it lands batches; see :mod:`fastfeed.tail_split`).
+    """
+
+    slot_pool: SlotPool | None = None
+    multiprocessing_context: Any = None
+    placement: dict[str, Any] | None = None
+    landing_tail: Callable[[Any, Empty], Any] | None = None
+
+
+@dataclass(frozen=True)
+class BackendTraits:
+    """What a backend is, as the loader, the pool and the integrations need to know it.
+
+    Attributes:
+        uses_slot_pool: its workers' batches reach the consumer through the loader's pool of
+            shared-memory slots (none is made for a backend without it).
+        lands_batches: this process writes each batch into its slot itself, as it arrives
+            (workers off this machine); a batch tail then runs here, on landing.
+        in_this_process: the workers are threads of this process: they share its global
+            random generators and are not seeded, ``get_worker_info()`` cannot describe them,
+            and per-process state of a dataset is shared between them.
+        uses_cluster_cores: the workers run on a cluster's cores, not this machine's: the
+            worker count is not held against this machine's cores, and ``num_workers="auto"``
+            grows into the cluster's free resources.
+    """
+
+    uses_slot_pool: bool
+    lands_batches: bool = False
+    in_this_process: bool = False
+    uses_cluster_cores: bool = False
+
 
 # How long shutdown waits for workers to exit on their own before terminating them: at the
 # end of an epoch (idle workers exit at once), and when an iterator was abandoned mid-epoch
@@ -58,6 +119,12 @@ class WorkerHandle(Protocol):
         machine."""
         ...
 
+    @property
+    def process(self) -> BaseProcess | None:
+        """The worker's process, where it has one of its own on this machine (torch's iterator
+        lists these in ``_workers``, which frameworks terminate themselves)."""
+        ...
+
     def send(self, message: ToWorker) -> None:
         """Queue ``message`` for the worker; it is handled after those sent before it."""
         ...
@@ -72,6 +139,23 @@ class WorkerHandle(Protocol):
         ...
 
 
+class OnThisMachine:
+    """The class side of a backend whose workers run on this machine's cores: it takes no
+    placement, and ``num_workers="auto"`` starts from this machine's cores and memory."""
+
+    name: ClassVar[str]
+
+    @classmethod
+    def placement(cls, ray_options: dict[str, Any] | None) -> dict[str, Any] | None:
+        if ray_options is not None:
+            raise ValueError("ray_options places Ray actors: it needs worker_mode='ray'")
+        return None
+
+    @classmethod
+    def worker_bounds(cls, placement: dict[str, Any] | None) -> tuple[int, int]:
+        return initial_workers()
+
+
 class QueueFedWorker:
     """A worker that takes its messages from a queue: a process's (shared with it) or a
     thread's."""
@@ -83,9 +167,34 @@ class QueueFedWorker:
 
 
 class WorkerBackend(Protocol):
-    """Starts, hears from and stops the workers of one pool iterator."""
+    """Starts, hears from and stops the workers of one pool iterator.
 
-    kind: WorkerKind
+    A backend is built from :class:`BackendArgs`.
+    """
+
+    name: ClassVar[str]  # its ``worker_mode``
+    traits: ClassVar[BackendTraits]
+
+    def __init__(self, args: BackendArgs) -> None: ...
+
+    @classmethod
+    def refusal(cls, dataset: Any, deterministic: bool) -> str | None:
+        """Why this backend cannot run a loader of ``dataset``, or None if it can."""
+        ...
+
+    @classmethod
+    def placement(cls, ray_options: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The placement of workers the user asked for, checked; None where it takes none.
+
+        Raises:
+            ValueError, TypeError: options this backend cannot take.
+        """
+        ...
+
+    @classmethod
+    def worker_bounds(cls, placement: dict[str, Any] | None) -> tuple[int, int]:
+        """``num_workers="auto"``'s first worker count and its most."""
+        ...
 
     def start(self, config: WorkerConfig) -> WorkerHandle:
         """Start a worker; it maps the pool's slots that exist already, if it maps any."""
@@ -101,8 +210,19 @@ class WorkerBackend(Protocol):
         """
         ...
 
+    def rebuild(self, batch: Any, lease: Lease | None) -> Any:
+        """The batch of a :class:`~fastfeed.protocol.Produced` answer as the consumer gets it:
+        over ``lease``'s memory (its slot) where it has one."""
+        ...
+
     def shutdown(self, wait: bool = True, then: Callable[[], None] | None = None) -> None:
         """Stop every worker this backend started, then call ``then`` once nothing of theirs
         can write a pool slot any more. With ``wait=False`` (a finaliser, in whatever thread
         the garbage collector runs) nothing blocks: joins happen on a thread of their own."""
         ...
+
+
+def rebuild_here(batch: Any, lease: Lease | None) -> Any:
+    """:meth:`WorkerBackend.rebuild` for workers on this machine: a batch written into a slot
+    is rebuilt over it; any other (from a thread, or without a slot pool) is the batch."""
+    return decode(batch, lease) if isinstance(batch, Encoded) else batch

@@ -16,19 +16,24 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
-from typing import Any
+from typing import Any, ClassVar
+
+import torch
 
 from fastfeed.backends.interface import (
     ABANDONED_GRACE,
     SHUTDOWN_GRACE,
+    BackendArgs,
+    BackendTraits,
     FromWorker,
+    OnThisMachine,
     QueueFedWorker,
-    WorkerKind,
+    rebuild_here,
 )
 from fastfeed.protocol import ShutdownFlag, SlotAdded, SlotDropped, Stop, WorkerConfig
-from fastfeed.slots import SlotPool
+from fastfeed.slots import Lease
 from fastfeed.slots.control import ControlPipe
-from fastfeed.worker import worker_loop
+from fastfeed.worker import own_process, worker_loop
 
 __all__ = ["ProcessBackend", "ProcessWorker"]
 
@@ -88,15 +93,28 @@ class ProcessWorker(QueueFedWorker):
         return f"killed by signal {signum} ({name}).{hint}"
 
 
-class ProcessBackend:
-    """Worker processes from ``context`` (a multiprocessing context or module: fork, spawn or
-    forkserver), fed through ``slot_pool`` (None: no slot pool)."""
+def _run_worker(config: WorkerConfig, task_queue: Any, result_queue: Any,
+                shutting_down: ShutdownFlag, control: ControlPipe | None) -> None:
+    """A worker process's whole life."""
+    worker_loop(config, task_queue, result_queue, shutting_down, control, own_process,
+                "process")
+    if shutting_down.is_set():
+        # What it had left to say, nobody reads: exit without flushing it.
+        result_queue.cancel_join_thread()
+        result_queue.close()
 
-    kind: WorkerKind = "process"
 
-    def __init__(self, context: Any, slot_pool: SlotPool | None) -> None:
+class ProcessBackend(OnThisMachine):
+    """Worker processes from the loader's ``multiprocessing_context`` (fork, spawn or
+    forkserver; torch's default without one), fed through its slot pool (if any)."""
+
+    name: ClassVar[str] = "process"
+    traits: ClassVar[BackendTraits] = BackendTraits(uses_slot_pool=True)
+
+    def __init__(self, args: BackendArgs) -> None:
+        context: Any = args.multiprocessing_context or torch.multiprocessing
         self._context = context
-        self._slot_pool = slot_pool
+        self._slot_pool = args.slot_pool
         self._results = context.Queue()
         self._shutting_down = ShutdownFlag(context)
         self.workers: list[ProcessWorker] = []
@@ -108,7 +126,7 @@ class ProcessBackend:
         if self._slot_pool is not None:
             control, worker_control = ControlPipe.pair()
         process = self._context.Process(
-            target=worker_loop,
+            target=_run_worker,
             args=(config, task_queue, self._results, self._shutting_down, worker_control),
             daemon=True,
         )
@@ -127,8 +145,15 @@ class ProcessBackend:
             worker.announce_slots(self._slot_pool.slots(), [])
         return worker
 
+    @classmethod
+    def refusal(cls, dataset: Any, deterministic: bool) -> str | None:
+        return None
+
     def next_answer(self, timeout: float) -> FromWorker:
         return self._results.get(timeout=timeout)
+
+    def rebuild(self, batch: Any, lease: Lease | None) -> Any:
+        return rebuild_here(batch, lease)
 
     def shutdown(self, wait: bool = True, then: Callable[[], None] | None = None) -> None:
         """Ask the workers to exit, then join them (terminating any still busy after the

@@ -9,16 +9,22 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
+from fastfeed._torch_compat import is_iterable_dataset
 from fastfeed.backends.interface import (
     SHUTDOWN_GRACE,
+    BackendArgs,
+    BackendTraits,
     FromWorker,
+    OnThisMachine,
     QueueFedWorker,
     ToWorker,
-    WorkerKind,
+    rebuild_here,
 )
 from fastfeed.protocol import ShutdownFlag, SlotAdded, Stop, WorkerConfig
-from fastfeed.worker import worker_loop
+from fastfeed.slots import Lease
+from fastfeed.worker import share_process, worker_loop
 
 __all__ = ["ThreadBackend", "ThreadWorker"]
 
@@ -31,6 +37,7 @@ class ThreadWorker(QueueFedWorker):
     thread: threading.Thread
     task_queue: queue.Queue = field(default_factory=queue.Queue)
     pid: int = field(default_factory=os.getpid)  # this process's
+    process: None = None  # it has none of its own
 
     @property
     def task_id(self) -> int | None:
@@ -43,12 +50,13 @@ class ThreadWorker(QueueFedWorker):
         return None if self.thread.is_alive() else "the thread ended."
 
 
-class ThreadBackend:
+class ThreadBackend(OnThisMachine):
     """Worker threads in this process."""
 
-    kind: WorkerKind = "thread"
+    name: ClassVar[str] = "thread"
+    traits: ClassVar[BackendTraits] = BackendTraits(uses_slot_pool=False, in_this_process=True)
 
-    def __init__(self) -> None:
+    def __init__(self, args: BackendArgs) -> None:
         self._results: queue.Queue[FromWorker] = queue.Queue()
         self._shutting_down = ShutdownFlag()
         self.workers: list[ThreadWorker] = []
@@ -57,7 +65,8 @@ class ThreadBackend:
         task_queue: queue.Queue[ToWorker] = queue.Queue()
         thread = threading.Thread(
             target=worker_loop,
-            args=(config, task_queue, self._results, self._shutting_down, None),
+            args=(config, task_queue, self._results, self._shutting_down, None, share_process,
+                  "thread"),
             name=f"fastfeed-worker-{config.worker_id}",
             daemon=True,
         )
@@ -66,8 +75,21 @@ class ThreadBackend:
         self.workers.append(worker)
         return worker
 
+    @classmethod
+    def refusal(cls, dataset: Any, deterministic: bool) -> str | None:
+        if is_iterable_dataset(dataset):
+            return ("worker_mode='thread' needs a map-style dataset: IterableDataset replicas "
+                    "shard by get_worker_info(), which threads cannot give")
+        if deterministic:
+            return ("deterministic=True reseeds the global RNGs per sample, which threads "
+                    "share: use worker_mode='process'")
+        return None
+
     def next_answer(self, timeout: float) -> FromWorker:
         return self._results.get(timeout=timeout)
+
+    def rebuild(self, batch: Any, lease: Lease | None) -> Any:
+        return rebuild_here(batch, lease)
 
     def shutdown(self, wait: bool = True, then: Callable[[], None] | None = None) -> None:
         # Thread workers write no pool slot: ``then`` has nothing to wait for.

@@ -1,6 +1,7 @@
 """The device stage: what a batch goes through between the host iterator and the consumer.
 
-* :mod:`~fastfeed.device.stage`: the one factory that assembles it for each iterator;
+* :mod:`~fastfeed.device.stage`: each epoch's plan, and the one factory that assembles the
+  stage for each iterator;
 * :mod:`~fastfeed.device.prefetch`: batches copied to the device some batches ahead;
 * :mod:`~fastfeed.device.pinned`: without a device, batches copied into pinned memory ahead
   of the consumer (``pin_memory=True``);
@@ -12,12 +13,13 @@ from fastfeed.device.copiers import Copier, HostCopier, StreamCopier, pinned_sou
 from fastfeed.device.pinned import PinnedIterator
 from fastfeed.device.prefetch import DeviceIterator, HostIterator, TorchIteratorHost
 from fastfeed.device.resolve import check_device, resolve_device
-from fastfeed.device.stage import DeviceStage, StageOptions
+from fastfeed.device.stage import DeviceStage, EpochPlan, StageOptions
 
 __all__ = [
     "Copier",
     "DeviceIterator",
     "DeviceStage",
+    "EpochPlan",
     "HostCopier",
     "HostIterator",
     "PinnedIterator",

@@ -21,7 +21,6 @@ class HostIterator(Protocol):
     :class:`fastfeed.iterators.base_iterator.BaseIterator`)."""
 
     base_seed: int
-    device_tail: Callable[[Any], Any] | None
 
     def next_host_batch(self) -> HostBatch: ...
 
@@ -146,8 +145,6 @@ class DeviceIterator(AheadOfConsumer):
 class TorchIteratorHost:
     """torch's own iterators (DataPipes run on them) as a host: batches without leases, and
     no snapshots."""
-
-    device_tail: Callable[[Any], Any] | None = None
 
     def __init__(self, iterator: Any) -> None:
         self._iterator = iterator

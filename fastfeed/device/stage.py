@@ -1,8 +1,10 @@
 """The device stage, assembled in one place: what wraps a loader's host iterator.
 
-A loader has one :class:`DeviceStage`, made with it and kept across epochs. For each new host
-iterator, :meth:`DeviceStage.wrap` builds what its batches go through on their way to the
-consumer, from the loader's arguments (:class:`StageOptions`):
+A loader has one :class:`DeviceStage`, made with it and kept across epochs. Each epoch starts
+from one :class:`EpochPlan`, made once by :meth:`DeviceStage.plan` from the loader's arguments
+(:class:`StageOptions`) before the host iterator exists: what the host iterator gives (its
+:class:`~fastfeed.iterators.setup.HostPlan`) and what the stage then does with its batches,
+which :meth:`DeviceStage.wrap` builds:
 
 * no ``device``: the host iterator itself; with ``pin_memory=True`` (and CUDA), a
   :class:`~fastfeed.device.pinned.PinnedIterator` that copies its batches into torch's pinned
@@ -12,13 +14,9 @@ consumer, from the loader's arguments (:class:`StageOptions`):
 * ``device="cuda"``: the same with a :class:`~fastfeed.device.copiers.StreamCopier` on the
   loader's copy stream (one per loader), its slots page-locked for that GPU.
 
-What the stage asks of the host iterators it will wrap
-(:class:`~fastfeed.iterators.setup.HostTerms`) is known before they are made:
-:meth:`DeviceStage.terms`.
-
 The transforms run on the device in order: the tail of what the workers make (a dataset's
-batch tail), then ``gpu_transform``, seeded from the iterator's base seed. The stage also
-keeps the NVML sampler that reads the GPU the batches go to.
+batch tail, as the plan placed it), then ``gpu_transform``, seeded from the iterator's base
+seed. The stage also keeps the NVML sampler that reads the GPU the batches go to.
 """
 
 from __future__ import annotations
@@ -35,10 +33,11 @@ from fastfeed.device.pinned import PinHelper, PinnedIterator
 from fastfeed.device.prefetch import DeviceIterator, HostIterator, TorchIteratorHost
 from fastfeed.device.resolve import resolve_device
 from fastfeed.iterators import BaseIterator
-from fastfeed.iterators.setup import HostTerms
+from fastfeed.iterators.setup import HostPlan, HostTerms
+from fastfeed.tail_split import TailPlacement
 from fastfeed.telemetry import GpuSampler, Telemetry
 
-__all__ = ["PINNED_AHEAD", "DeviceStage", "StageOptions"]
+__all__ = ["PINNED_AHEAD", "DeviceStage", "EpochPlan", "StageOptions"]
 
 # Batches pinned ahead of the consumer with pin_memory=True and no device: the pool's tasks in
 # flight are the read-ahead; a pinned copy takes milliseconds, so two cover a step that asks
@@ -66,6 +65,28 @@ class StageOptions:
     gpu_transform: Callable[[Any], Any] | None = None
     num_workers: int = 0
     auto_collation: bool = True
+
+
+@dataclass(frozen=True)
+class EpochPlan:
+    """One epoch, planned once before its host iterator is made.
+
+    Attributes:
+        host: what the host iterator gives (what the stage asks of it, and where a dataset's
+            batch tail runs).
+        target: the device the batches are delivered on (resolved), or None.
+        pinned_ahead: without a device, with ``pin_memory=True`` and CUDA: the batches pinned
+            ahead of the consumer (0: in ``next()``); None: no pinning.
+        transform: run on each batch on the device, on the copy stream: the batch tail, then
+            ``gpu_transform``.
+        options: the loader's arguments the plan was made from.
+    """
+
+    host: HostPlan
+    target: torch.device | None
+    pinned_ahead: int | None
+    transform: Callable[[Any], Any] | None
+    options: StageOptions
 
 
 class _Chain:
@@ -111,16 +132,19 @@ class DeviceStage:
             self._target = resolve_device(device)
         return self._target
 
-    def terms(self, options: StageOptions) -> HostTerms:
-        """What the stage will ask of the next host iterator (see :class:`HostTerms`)."""
+    def plan(self, options: StageOptions, tail: TailPlacement) -> EpochPlan:
+        """The next epoch's plan, with a dataset's batch tail placed as ``tail`` says."""
         target = self.target(options.device)
+        pinned_ahead = self._pinned_ahead(options)
         if target is not None:  # ready batches, plus the one being copied
-            return HostTerms(self._cuda_index(), held_batches=options.prefetch_depth + 1,
-                             times_delivery=True)
-        ahead = self._pinned_ahead(options)
-        if ahead is None:
-            return HostTerms()
-        return HostTerms(held_batches=1 if ahead else 0, times_delivery=True)
+            terms = HostTerms(self._cuda_index(), held_batches=options.prefetch_depth + 1,
+                              times_delivery=True)
+        elif pinned_ahead is not None:
+            terms = HostTerms(held_batches=1 if pinned_ahead else 0, times_delivery=True)
+        else:
+            terms = HostTerms()
+        return EpochPlan(HostPlan(terms, tail), target, pinned_ahead,
+                         _chain(tail.device_tail, options.gpu_transform), options)
 
     def _pinned_ahead(self, options: StageOptions) -> int | None:
         """With ``pin_memory=True`` and no ``device``, how many batches are pinned ahead of
@@ -150,10 +174,10 @@ class DeviceStage:
         target = self._target
         return target.index if target is not None and target.type == "cuda" else None
 
-    def wrap(self, host: Any, options: StageOptions) -> Any:
+    def wrap(self, host: Any, plan: EpochPlan) -> Any:
         """What the consumer iterates for ``host`` (a FastLoader iterator, or torch's for a
-        DataPipe)."""
-        target = self.target(options.device)
+        DataPipe), as ``plan`` says."""
+        target, options = plan.target, plan.options
         heads_to_cuda = (target is not None and target.type == "cuda") or (
             options.pin_memory and torch.cuda.is_available())
         if heads_to_cuda and self._gpu_sampler is None:
@@ -161,11 +185,11 @@ class DeviceStage:
             sampler.start()
             weakref.finalize(self, sampler.stop)
         if target is None:
-            ahead = self._pinned_ahead(options)
             # torch's own iterators (DataPipes) pin their batches themselves.
-            if ahead is None or not isinstance(host, BaseIterator):
+            if plan.pinned_ahead is None or not isinstance(host, BaseIterator):
                 return host
-            pinned = PinnedIterator(host, ahead, self._telemetry, options.auto_collation)
+            pinned = PinnedIterator(host, plan.pinned_ahead, self._telemetry,
+                                    options.auto_collation)
             self._pin_helper = pinned.helper
             return pinned
         source: HostIterator = host if isinstance(host, BaseIterator) else TorchIteratorHost(host)
@@ -178,8 +202,5 @@ class DeviceStage:
             if self.copy_stream is None:
                 self.copy_stream = torch.cuda.Stream(target)
             copier = StreamCopier(target, self.copy_stream)
-        # The tail of what the workers make (persistent workers keep the first iterator's)
-        # runs first, on the copy stream.
-        transform = _chain(source.device_tail, gpu_transform)
-        return DeviceIterator(source, copier, options.prefetch_depth, transform, self._telemetry,
-                              options.auto_collation)
+        return DeviceIterator(source, copier, options.prefetch_depth, plan.transform,
+                              self._telemetry, options.auto_collation)

@@ -54,13 +54,12 @@ class BaseIterator:
     """Sampler iteration, seeding, snapshots and the IterableDataset length check.
 
     The device stage reads a host iterator only through :meth:`next_host_batch`,
-    :meth:`position`, :meth:`state_at`, :attr:`base_seed`, :attr:`device_tail`, ``len()``
-    and :meth:`close`.
+    :meth:`position`, :meth:`state_at`, :attr:`base_seed`, ``len()`` and :meth:`close`.
     """
 
     def __init__(self, loader: DataLoader, setup: IteratorSetup) -> None:
         self._setup = setup
-        tail = setup.tail  # a dataset whose tail runs on whole batches: where it runs
+        tail = setup.host.tail  # a dataset whose tail runs on whole batches: where it runs
         self._dataset: Any = loader.dataset if tail.dataset is None else tail.dataset
         self._iterable = is_iterable_dataset(loader.dataset)
         self._len_called = iterable_len_called(loader)
@@ -73,9 +72,6 @@ class BaseIterator:
         self._worker_init_fn = loader.worker_init_fn
         self._persistent_workers = loader.persistent_workers
         self._telemetry = setup.telemetry
-        # Run by the device stage, before gpu_transform: it finishes the batches this
-        # iterator's workers were set up to make.
-        self.device_tail = tail.device_tail
 
         if loader.pin_memory and loader.pin_memory_device:
             warnings.warn(
@@ -117,7 +113,7 @@ class BaseIterator:
         return self
 
     def _worker_config(self, worker_id: int, *, num_workers: int | None = None,
-                       thread: bool = False, dataset_state: Any = None) -> WorkerConfig:
+                       dataset_state: Any = None) -> WorkerConfig:
         """What worker ``worker_id`` (or the main process, with ``num_workers=0``) needs to
         produce this iterator's batches."""
         return WorkerConfig(
@@ -131,7 +127,6 @@ class BaseIterator:
             worker_id=worker_id,
             num_workers=self._num_workers if num_workers is None else num_workers,
             dataset_state=dataset_state,
-            thread=thread,
             deterministic=self._setup.deterministic,
         )
 
@@ -239,7 +234,7 @@ class BaseIterator:
             self._exhausted = True
             raise
         self._num_yielded += 1
-        if not self._setup.terms.times_delivery:
+        if not self._setup.host.terms.times_delivery:
             self._telemetry.delivered(requested, batch_length(data.batch, self._auto_collation))
         self._after_delivery()
         if self._iterable and self._len_called is not None and self._num_yielded > self._len_called:

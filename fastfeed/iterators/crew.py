@@ -30,7 +30,7 @@ from fastfeed.protocol import (
     Task,
     WorkerConfig,
 )
-from fastfeed.slots import SlotPool, Ticket
+from fastfeed.slots import Lease, SlotPool, Ticket
 
 __all__ = ["WorkerCrew"]
 
@@ -65,7 +65,7 @@ class WorkerCrew:
     def __init__(self, backend: WorkerBackend, book: TaskBook, slot_pool: SlotPool | None,
                  timeout: float) -> None:
         self.table = WorkerTable(book)
-        self.kind = backend.kind
+        self.backend_name = backend.name
         self._backend = backend
         self._book = book
         self._slot_pool = slot_pool
@@ -80,6 +80,10 @@ class WorkerCrew:
 
     def start(self, config: WorkerConfig) -> None:
         self.table.add(self._backend.start(config))
+
+    def rebuild(self, batch: Any, lease: Lease | None) -> Any:
+        """An answer's batch as the consumer gets it (see the backend's ``rebuild``)."""
+        return self._backend.rebuild(batch, lease)
 
     def send(self, worker_id: int, message: Task | StartEpoch) -> None:
         self.table[worker_id].handle.send(message)

@@ -23,14 +23,12 @@ from torch.utils.data import DataLoader
 
 from fastfeed._torch_compat import ExceptionWrapper
 from fastfeed.autotune import TuningWindows
-from fastfeed.backends import make_backend
-from fastfeed.backends.process import ProcessWorker
-from fastfeed.codec import decode
+from fastfeed.backends import BackendArgs
 from fastfeed.iterators.base_iterator import BaseIterator, HostBatch
 from fastfeed.iterators.crew import WorkerCrew
 from fastfeed.iterators.setup import IteratorSetup
 from fastfeed.iterators.tasks import Entry, TaskBook
-from fastfeed.protocol import Answer, Encoded, Failed, Produced, ReplicaEnded, Task
+from fastfeed.protocol import Answer, Encoded, Failed, Produced, ReplicaEnded, Shipped, Task
 from fastfeed.slots import Lease, Ticket, slot_budget
 
 __all__ = ["WorkerPoolIterator"]
@@ -70,8 +68,8 @@ class WorkerPoolIterator(BaseIterator):
         self._book = TaskBook()
         # The loader gives one to the backends whose batches use it.
         self.slot_pool = setup.slot_pool
-        backend = make_backend(setup.worker_mode, self.slot_pool, loader.multiprocessing_context,
-                               setup.ray_options, setup.tail.landing_tail)
+        backend = setup.backend(BackendArgs(self.slot_pool, loader.multiprocessing_context,
+                                            setup.placement, setup.host.tail.landing_tail))
         self._crew = WorkerCrew(backend, self._book, self.slot_pool, self._timeout)
         # Dropped without close() (a break, an error, an abandoned epoch), the iterator's
         # workers are stopped by a finaliser that holds the crew, not by __del__: collected
@@ -81,13 +79,12 @@ class WorkerPoolIterator(BaseIterator):
         dropped = weakref.finalize(self, self._crew.shutdown, False)
         dropped.atexit = False
         self._table = self._crew.table
-        self._telemetry.worker_mode = backend.kind
+        self._telemetry.worker_mode = backend.name
         self._telemetry.slot_pool = self.slot_pool
         try:
             for worker_id in range(self._num_workers):
                 self._crew.start(self._worker_config(
-                    worker_id, thread=backend.kind == "thread",
-                    dataset_state=self._replica_state(self._resume, worker_id)))
+                    worker_id, dataset_state=self._replica_state(self._resume, worker_id)))
         except BaseException:
             self._crew.shutdown()
             raise
@@ -103,8 +100,8 @@ class WorkerPoolIterator(BaseIterator):
 
     def _size_slot_pool(self) -> None:
         if self.slot_pool is not None:
-            self.slot_pool.max_slots = slot_budget(self._max_tasks, self._setup.terms.held_batches,
-                                              self._setup.ring_slots)
+            held = self._setup.host.terms.held_batches
+            self.slot_pool.max_slots = slot_budget(self._max_tasks, held, self._setup.ring_slots)
 
     @property
     def closed(self) -> bool:
@@ -133,7 +130,7 @@ class WorkerPoolIterator(BaseIterator):
     def _epoch_finished(self) -> None:
         if self._num_yielded:
             rate = self._num_yielded / max(time.perf_counter() - self._epoch_clock, 1e-9)
-            self._setup.carry_over.epoch_rates.setdefault(self._crew.kind, rate)
+            self._setup.carry_over.epoch_rates.setdefault(self._crew.backend_name, rate)
         if not self._persistent_workers:
             self._crew.shutdown()
 
@@ -191,13 +188,13 @@ class WorkerPoolIterator(BaseIterator):
             return outcome.error
         entry.dataset_state = outcome.dataset_state
         self._telemetry.record_produced(outcome)
-        if not isinstance(outcome.batch, Encoded):  # from a thread: the batch itself
-            return HostBatch(outcome.batch, None)
-        if self.slot_pool is not None:
-            self.slot_pool.fit_batches_of(outcome.batch.required)
+        message = outcome.batch  # in a slot (Encoded, Shipped), or the batch itself
         try:
-            lease = self._settle(ticket, outcome.batch)
-            return HostBatch(decode(outcome.batch, lease), lease)
+            lease = None
+            if self.slot_pool is not None:
+                self.slot_pool.fit_batches_of(message.required)
+                lease = self._settle(ticket, message)
+            return HostBatch(self._crew.rebuild(message, lease), lease)
         except Exception as error:
             if isinstance(error, (OSError, EOFError)):
                 # Shared memory outside the slot pool is fetched from its worker: if that worker
@@ -207,7 +204,8 @@ class WorkerPoolIterator(BaseIterator):
             return ExceptionWrapper(
                 where=f"in the main process, rebuilding a batch of worker {entry.worker_id}")
 
-    def _settle(self, ticket: Ticket | None, batch: Encoded | None = None) -> Lease | None:
+    def _settle(self, ticket: Ticket | None, batch: Encoded | Shipped | None = None
+                ) -> Lease | None:
         """The one place a task's hold on a slot ends: its ticket becomes ``batch``'s lease,
         or goes back to the slot pool; a batch sent without one is leased the slot its worker
         made (adopted into the slot pool when it fits)."""
@@ -263,7 +261,7 @@ class WorkerPoolIterator(BaseIterator):
         if wanted is not None and wanted != self._table.serving:
             self._telemetry.decision(self._tuning.tuner.log[-1])
             self._crew.resize(wanted, lambda worker_id, num_workers: self._worker_config(
-                worker_id, num_workers=num_workers, thread=self._crew.kind == "thread"))
+                worker_id, num_workers=num_workers))
             self._size_slot_pool()
             self._setup.carry_over.workers = self._table.serving  # where the next epoch starts
             self._fill()
@@ -285,7 +283,7 @@ class WorkerPoolIterator(BaseIterator):
     @property
     def _workers(self) -> list[Any]:
         """The worker processes, as torch's iterator lists them (none for other backends)."""
-        return [w.handle.process for w in self._table if isinstance(w.handle, ProcessWorker)]
+        return [w.handle.process for w in self._table if w.handle.process is not None]
 
     def _shutdown_workers(self) -> None:
         self._crew.shutdown()

@@ -1,31 +1,34 @@
 """What a FastLoader hands its iterators, beyond torch's ``DataLoader`` attributes, and where
 that is decided.
 
-The loader's :class:`IteratorPlanner` computes an :class:`IteratorSetup` for every new
-iterator, from the loader's own arguments (:class:`PoolOptions`): the worker mode (``"auto"``'s
-contest), the slot pool and whether its slots are page-locked, the tuner, where a batch tail runs.
-Iterators read torch's attributes from the loader and everything fastfeed-specific from the
-setup, and never reach back into ``FastLoader``: the dependency runs one way, loader to
-iterators.
+Each epoch's plan (:class:`fastfeed.device.EpochPlan`) is made once, before its host iterator:
+its :class:`HostPlan` says what the host iterator gives (the device stage's terms, and where a
+dataset's batch tail runs: :meth:`IteratorPlanner.tail`). For every new iterator, the loader's
+:class:`IteratorPlanner` then computes an :class:`IteratorSetup` from that host plan and the
+loader's own arguments (:class:`PoolOptions`): the worker mode (``"auto"``'s contest), the slot
+pool and whether its slots are page-locked, the tuner. Iterators read torch's attributes from
+the loader and everything fastfeed-specific from the setup, and never reach back into
+``FastLoader``: the dependency runs one way, loader to iterators.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 from torch.utils.data import DataLoader
 
-from fastfeed._torch_compat import auto_collation, is_iterable_dataset
+from fastfeed._torch_compat import auto_collation, is_iterable_dataset, persistent_iterator
 from fastfeed.autotune import WorkerTuner
-from fastfeed.backends import WorkerKind
+from fastfeed.backends import AUTO, WorkerBackend, backend_named, candidates
 from fastfeed.resume import LoaderState
 from fastfeed.slots import SlotPool, slots_supported
 from fastfeed.slots.page_lock import Pinner
 from fastfeed.tail_split import TailPlacement, batch_tail_split, place_tail
 from fastfeed.telemetry import Telemetry
 
-__all__ = ["CarryOver", "HostTerms", "IteratorPlanner", "IteratorSetup", "PoolOptions"]
+__all__ = ["CarryOver", "HostPlan", "HostTerms", "IteratorPlanner", "IteratorSetup",
+           "PoolOptions"]
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,20 @@ class HostTerms:
     copy_device: int | None = None
     held_batches: int = 0
     times_delivery: bool = False
+
+
+@dataclass(frozen=True)
+class HostPlan:
+    """What one epoch's host iterator gives.
+
+    Attributes:
+        terms: what the device stage asks of it.
+        tail: where a dataset's batch tail runs (see :mod:`fastfeed.tail_split`): what the
+            workers read and collate with, and what finishes their batches.
+    """
+
+    terms: HostTerms = field(default_factory=HostTerms)
+    tail: TailPlacement = field(default_factory=TailPlacement)
 
 
 @dataclass
@@ -67,16 +84,13 @@ class IteratorSetup:
 
     telemetry: Telemetry
     carry_over: CarryOver
-    worker_mode: WorkerKind = "process"  # "auto" is resolved first
-    ray_options: dict[str, Any] | None = None  # where Ray actors go (worker_mode="ray")
+    backend: type[WorkerBackend] = field(default_factory=lambda: backend_named("process"))
+    placement: dict[str, Any] | None = None  # where the workers go (worker_mode="ray")
     tuner: WorkerTuner | None = None
-    slot_pool: SlotPool | None = None  # the loader's slot pool, for process workers
+    slot_pool: SlotPool | None = None  # the loader's, for a backend that uses one
     ring_slots: int | None = None
     deterministic: bool = False
-    terms: HostTerms = field(default_factory=HostTerms)  # the device stage's, if any
-    # Where a dataset whose tail runs on whole batches has it run (fastfeed.tail_split): what the
-    # workers read and collate with, and what finishes their batches (same batches).
-    tail: TailPlacement = field(default_factory=TailPlacement)
+    host: HostPlan = field(default_factory=HostPlan)  # the epoch's, for this iterator
 
 
 @dataclass(frozen=True)
@@ -84,20 +98,17 @@ class PoolOptions:
     """FastLoader's own arguments that shape its iterators (see :class:`fastfeed.FastLoader`).
 
     Attributes:
-        worker_mode: ``"process"``, ``"thread"``, ``"ray"`` or ``"auto"``.
+        worker_mode: a backend's name, or ``"auto"``.
+        placement: where the workers go, as the backend checked ``ray_options``.
         max_workers: with ``autotune``, the most workers the tuner may start.
-        on_device: a ``device`` was given: batches are finished on it.
-        terms: what the device stage asks of the iterator.
     """
 
     worker_mode: str = "process"
-    ray_options: dict[str, Any] | None = None
+    placement: dict[str, Any] | None = None
     ring_slots: int | None = None
     deterministic: bool = False
     autotune: bool = False
     max_workers: int = 0
-    on_device: bool = False
-    terms: HostTerms = field(default_factory=HostTerms)
 
 
 class IteratorPlanner:
@@ -114,55 +125,64 @@ class IteratorPlanner:
         self.carry_over = CarryOver()
         self.slot_pool: SlotPool | None = None  # one per loader, made on first use
         self._decided_mode = False
+        self._host_tail = TailPlacement()  # the last new host iterator's
 
-    def setup(self, loader: DataLoader, options: PoolOptions) -> IteratorSetup:
-        """Everything fastfeed decides for ``loader``'s next iterator."""
+    def tail(self, loader: DataLoader, worker_mode: str, on_device: bool) -> TailPlacement:
+        """Where the next epoch runs a dataset's batch tail: as the running persistent
+        workers were set up to, else decided afresh for a new host iterator."""
+        if loader.persistent_workers and persistent_iterator(loader) is not None:
+            return self._host_tail
+        split = batch_tail_split(loader.dataset, loader.collate_fn, auto_collation(loader))
+        lands = loader.num_workers > 0 and any(
+            b.traits.lands_batches for b in candidates(worker_mode))
+        self._host_tail = place_tail(split, on_device=on_device, lands_batches=lands)
+        return self._host_tail
+
+    def setup(self, loader: DataLoader, options: PoolOptions, host: HostPlan) -> IteratorSetup:
+        """Everything fastfeed decides for ``loader``'s next iterator, whose epoch plans
+        ``host``."""
         # Replicas of an IterableDataset shard by worker count: keep it fixed.
         tuner = None
         if options.autotune and not is_iterable_dataset(loader.dataset):
             tuner = self.carry_over.tuner or WorkerTuner(loader.num_workers, options.max_workers)
             tuner.restart(loader.num_workers)
             self.carry_over.tuner = tuner
-        worker_mode = self._worker_mode(loader, options)
-        split = batch_tail_split(loader.dataset, loader.collate_fn, auto_collation(loader))
+        backend = self._backend(loader, options)
         return IteratorSetup(
             telemetry=self.telemetry,
             carry_over=self.carry_over,
-            worker_mode=worker_mode,
-            ray_options=options.ray_options,
+            backend=backend,
+            placement=options.placement,
             tuner=tuner,
-            slot_pool=self._slot_pool(worker_mode, options.ring_slots, options.terms.copy_device),
+            slot_pool=self._slot_pool(backend, options.ring_slots, host.terms.copy_device),
             ring_slots=options.ring_slots,
             deterministic=options.deterministic,
-            terms=options.terms,
-            tail=place_tail(split, on_device=options.on_device, worker_mode=worker_mode),
+            host=host,
         )
 
-    def _worker_mode(self, loader: DataLoader, options: PoolOptions) -> WorkerKind:
-        """``"auto"`` tries each mode for an epoch, then keeps the faster one."""
-        if options.worker_mode != "auto":
-            return cast(WorkerKind, options.worker_mode)  # checked by check_arguments
-        if (is_iterable_dataset(loader.dataset) or options.deterministic
-                or loader.persistent_workers):
-            return "process"
+    def _backend(self, loader: DataLoader, options: PoolOptions) -> type[WorkerBackend]:
+        """``worker_mode``'s backend; ``"auto"`` tries each of its contest for an epoch, then
+        keeps the fastest (persistent workers keep the first)."""
+        contest = candidates(options.worker_mode, loader.dataset, options.deterministic)
+        if options.worker_mode != AUTO or loader.persistent_workers or len(contest) == 1:
+            return contest[0]
         rates = self.carry_over.epoch_rates
-        modes: tuple[WorkerKind, ...] = ("process", "thread")
-        for mode in modes:
-            if mode not in rates:
-                return mode
-        chosen = max(modes, key=lambda mode: rates[mode])
+        for backend in contest:
+            if backend.name not in rates:
+                return backend
+        chosen = max(contest, key=lambda backend: rates[backend.name])
         if not self._decided_mode:
             self._decided_mode = True
             self.telemetry.decision("worker_mode auto: " + ", ".join(
-                f"{m} {r:,.1f} batches/s" for m, r in rates.items()) + f" -> {chosen}")
+                f"{m} {r:,.1f} batches/s" for m, r in rates.items()) + f" -> {chosen.name}")
         return chosen
 
-    def _slot_pool(self, worker_mode: WorkerKind, ring_slots: int | None, copy_device: int | None
-              ) -> SlotPool | None:
+    def _slot_pool(self, backend: type[WorkerBackend], ring_slots: int | None,
+                   copy_device: int | None) -> SlotPool | None:
         """The loader's slot pool, made on first use and kept across epochs (page-locking is slow
         and synchronising). Its slots are page-locked only when fastfeed owns every copy out
         of them (``device="cuda"``): a slot the user copies from must not be (invariant 2)."""
-        if worker_mode not in ("process", "ray") or ring_slots == 0 or not slots_supported():
+        if not backend.traits.uses_slot_pool or ring_slots == 0 or not slots_supported():
             return None
         if self.slot_pool is None:
             pin = None if copy_device is None else Pinner(copy_device)

@@ -32,6 +32,7 @@ from typing import Any
 
 from fastfeed._imports import importable
 from fastfeed._patching import Swaps, check_fastloader_options
+from fastfeed.backends import candidates
 from fastfeed.device import check_device
 from fastfeed.ultralytics import shared_cache
 from fastfeed.ultralytics.infinite_loader import InfiniteFastLoader
@@ -120,7 +121,8 @@ def _check_augment_device(augment_device: str | None, fastloader_options: dict[s
                           ) -> None:
     if augment_device is None:
         return
-    if fastloader_options.get("worker_mode", "process") != "process":
+    worker_mode = fastloader_options.get("worker_mode", "process")
+    if any(backend.traits.in_this_process for backend in candidates(worker_mode)):
         raise ValueError("augment_device needs worker processes: each records its own "
                          "samples' parameters (worker_mode='process')")
     if "device" in fastloader_options or "gpu_transform" in fastloader_options:

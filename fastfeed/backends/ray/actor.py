@@ -36,7 +36,7 @@ from fastfeed.protocol import (
     WorkerConfig,
 )
 from fastfeed.slots.memory import ALIGN, round_up
-from fastfeed.worker import worker_loop
+from fastfeed.worker import own_process, worker_loop
 
 __all__ = ["RayWorker"]
 
@@ -69,7 +69,7 @@ class RayWorker:
             args=(replace(shared, worker_id=worker_id, num_workers=num_workers,
                           dataset_state=dataset_state,
                           collate_fn=_ReusedMemory(shared.collate_fn)),
-                  self._tasks, self._replies, ShutdownFlag(), None),
+                  self._tasks, self._replies, ShutdownFlag(), None, own_process, "process"),
             name=f"fastfeed-worker-{worker_id}", daemon=True)
         self._loop.start()
 

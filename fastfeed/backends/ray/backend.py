@@ -5,9 +5,9 @@ A task's way::
 
     pool ── Task(seq, index, slot_id) ──> RemoteWorker.send ──actor call──> RayWorker.run
                                                         (the worker loop: fetch, collate, ship)
-    pool <── Answer(seq, Produced(Encoded)) ── next_answer(): the batch lands in the task's
-                                               slot (:mod:`~fastfeed.backends.ray.landing`);
-                                               the object reference is dropped
+    pool <── Answer(seq, Produced(Shipped)) ── next_answer(); the object reference is dropped
+    pool: the task's lease ──> rebuild(): the batch lands in its slot, copied once
+                                          (:mod:`~fastfeed.backends.ray.landing`)
 
 An answer waits in Ray's object store behind its worker's oldest call, not on a queue:
 :meth:`RayBackend.next_answer` waits only on each worker's oldest call, so a worker answers
@@ -31,16 +31,15 @@ import uuid
 import warnings
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import Any, ClassVar
 
-from fastfeed.backends.interface import FromWorker, WorkerExited, WorkerKind
+from fastfeed.backends.interface import BackendArgs, BackendTraits, FromWorker, WorkerExited
 from fastfeed.backends.ray.actor import RayWorker
-from fastfeed.backends.ray.cluster import actor_options, connected_ray
+from fastfeed.backends.ray.cluster import actor_options, cluster_workers, connected_ray
 from fastfeed.backends.ray.landing import Landing
 from fastfeed.backends.ray.remote import RemoteWorker
-from fastfeed.collate import Empty
-from fastfeed.protocol import Answer, EpochStarted, Produced, Skipped, Task, WorkerConfig
-from fastfeed.slots import SlotPool
+from fastfeed.protocol import Answer, EpochStarted, Produced, Skipped, WorkerConfig
+from fastfeed.slots import Lease
 
 __all__ = ["RayBackend"]
 
@@ -53,31 +52,43 @@ class RayBackend:
     """Ray actors on the cluster this process is connected to.
 
     Args:
-        slot_pool: the loader's, into whose slots this process lands the batches.
-        ray_options: where the actors go and what each takes (see
-            :func:`fastfeed.backends.ray.cluster.actor_options`).
-        landing_tail: finishes each batch as it lands (see
-            :class:`~fastfeed.backends.ray.landing.Landing`).
+        args: ``placement`` says where the actors go and what each takes (see
+            :func:`fastfeed.backends.ray.cluster.actor_options`); ``landing_tail`` finishes
+            each batch as it lands (see :class:`~fastfeed.backends.ray.landing.Landing`). This
+            process writes the batches into the slot pool's slots itself.
 
     Raises:
         ImportError: Ray is not installed.
         RuntimeError: no cluster is connected (``ray.init`` was not called).
     """
 
-    kind: WorkerKind = "ray"
+    name: ClassVar[str] = "ray"
+    traits: ClassVar[BackendTraits] = BackendTraits(uses_slot_pool=True, lands_batches=True,
+                                                    uses_cluster_cores=True)
 
-    def __init__(self, slot_pool: SlotPool | None, ray_options: dict[str, Any] | None = None,
-                 landing_tail: Callable[[Any, Empty], Any] | None = None) -> None:
+    def __init__(self, args: BackendArgs) -> None:
         self._ray = connected_ray()
         self._exceptions = self._ray.exceptions
         self._actor_class = self._ray.remote(RayWorker)
-        self._options = {**actor_options(ray_options), "max_restarts": 0,
+        self._options = {**actor_options(args.placement), "max_restarts": 0,
                          "max_task_retries": 0, "max_concurrency": 1}
         self._token = uuid.uuid4().hex[:8]  # names this backend's actors in `ray list actors`
         self._workers: dict[int, RemoteWorker] = {}
         # The workers' configuration but their seats, in the object store (see spawn()).
         self._shared: tuple[WorkerConfig, Any] | None = None
-        self._landing = Landing(slot_pool, landing_tail)
+        self._landing = Landing(args.landing_tail)
+
+    @classmethod
+    def refusal(cls, dataset: Any, deterministic: bool) -> str | None:
+        return None
+
+    @classmethod
+    def placement(cls, ray_options: dict[str, Any] | None) -> dict[str, Any] | None:
+        return actor_options(ray_options)
+
+    @classmethod
+    def worker_bounds(cls, placement: dict[str, Any] | None) -> tuple[int, int]:
+        return cluster_workers(placement or {})
 
     # -- starting and ending actors ----------------------------------------------------------
     def start(self, config: WorkerConfig) -> RemoteWorker:
@@ -158,11 +169,14 @@ class RayBackend:
             worker.epoch = reply.epoch
             return None if call.internal else reply
         worker.losses = 0
-        if isinstance(reply.outcome, Produced):
-            assert isinstance(call.message, Task)
-            batch = self._landing.land(reply.outcome.batch, call.message.slot_id)
-            reply = Answer(reply.seq, replace(reply.outcome, batch=batch))
+        if isinstance(reply.outcome, Produced):  # what the pool sizes its slots by
+            shipped = reply.outcome.batch
+            shipped = replace(shipped, required=self._landing.required(shipped))
+            reply = Answer(reply.seq, replace(reply.outcome, batch=shipped))
         return reply
+
+    def rebuild(self, batch: Any, lease: Lease | None) -> Any:
+        return self._landing.land(batch, lease)
 
     def _lost(self, worker: RemoteWorker, error: Exception) -> None:
         """Restart ``worker`` after Ray lost its actor or a reply of it; raise instead where a

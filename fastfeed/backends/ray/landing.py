@@ -1,8 +1,8 @@
 """Landing a batch that came back from a Ray actor: from the object store into the task's pool
-slot, copied once (or finished there by a batch tail), on one core.
+slot, copied once and rebuilt over the copy (or finished there by a batch tail), on one core.
 
 No remote process maps the slot pool: this process writes every slot a Ray worker's batch goes
-to, while the task holds the slot's ticket.
+to, once the pool has turned the task's ticket into the batch's lease.
 """
 
 from __future__ import annotations
@@ -10,17 +10,17 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
 import torch
 
 from fastfeed.backends.ray.wire import unship
-from fastfeed.codec import decode, encode, slot_bytes_needed
 from fastfeed.collate import Empty, torch_empty
-from fastfeed.protocol import Encoded, Shipped
-from fastfeed.slots import Arena, Lease, SlotPool
+from fastfeed.protocol import Shipped
+from fastfeed.slots import Arena, Lease
+from fastfeed.slots.memory import ALIGN, round_up
+from fastfeed.tree import map_tensors
 
 __all__ = ["Landing"]
 
@@ -51,28 +51,24 @@ def _on_one_core() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-class _PrivateSlot:
-    """A slot of this process's own, for a task sent without one: the slot pool adopts its
-    descriptor (``detach()``), as it adopts a worker process's slot, or it closes with its
-    arena."""
+class _Allocator:
+    """An ``empty`` that remembers the storages it handed out."""
 
-    def __init__(self, nbytes: int) -> None:
-        self._memfd = Arena.private(nbytes)
-        # The batch is written through a plain arena over the same memory: encode() hands a
-        # private arena's descriptor to another process, and this one stays here.
-        self.arena = Arena(None, self._memfd.buffer)
+    def __init__(self, empty: Empty) -> None:
+        self._empty = empty
+        self.made: set[int] = set()
 
-    def detach(self) -> int:
-        fd = self._memfd.detach_private_slot()
-        assert fd is not None, "a private slot is adopted once"
-        return fd
+    def __call__(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        tensor = self._empty(shape, dtype)
+        self.made.add(tensor.untyped_storage().data_ptr())
+        return tensor
 
 
 class Landing:
-    """Where Ray workers' batches land.
+    """Where Ray workers' batches land: the task's slot (its lease's memory), or, for a task
+    sent without one, memory of this process's own, freed with the batch.
 
     Args:
-        slot_pool: the loader's (None: each batch lands in memory of its own).
         tail: ``tail(batch, empty)`` finishes each batch as it lands, writing its output with
             the slot's allocator: the workers then ship a dataset's short items (uint8
             images: a quarter of float32's bytes through the object store), and the float
@@ -80,32 +76,57 @@ class Landing:
             (:mod:`fastfeed.tail_split`).
     """
 
-    def __init__(self, slot_pool: SlotPool | None,
-                 tail: Callable[[Any, Empty], Any] | None = None) -> None:
-        self._slot_pool = slot_pool
+    def __init__(self, tail: Callable[[Any, Empty], Any] | None = None) -> None:
         self._tail = tail
+        self._finished_bytes = 0  # what the tail's last batch took in a slot
 
-    def land(self, shipped: Shipped, slot_id: int | None) -> Encoded | Any:
-        """The batch, copied once from the object store, or finished from there by the
-        tail: into the task's pool slot, or into a slot of this process's own for a task sent
-        without one (the slot pool adopts it); without a slot pool, into memory of its own."""
+    def required(self, shipped: Shipped) -> int:
+        """The bytes ``shipped`` takes in a slot once landed; with a tail, what its last batch
+        took (0 before the first: that one lands in memory of its own)."""
+        return shipped.required if self._tail is None else self._finished_bytes
+
+    def land(self, shipped: Shipped, lease: Lease | None) -> Any:
+        """The batch, in ``lease``'s memory (else in memory of its own), its views recorded in
+        the lease: copied once from the object store and rebuilt over the copy, or finished
+        from the object store by the tail."""
         with _on_one_core():
-            return self._land(shipped, slot_id)
+            if self._tail is None:
+                return self._copied(shipped, lease)
+            return self._finished(self._tail, shipped, lease)
 
-    def _land(self, shipped: Shipped, slot_id: int | None) -> Encoded | Any:
-        batch = unship(shipped)
-        tail = self._tail
-        if self._slot_pool is None:  # the shipped batch copied out, then finished
-            buffer = torch.empty(shipped.nbytes, dtype=torch.uint8)
-            batch = decode(encode(batch, Arena(None, buffer)), Lease(buffer.numpy()))
-            return batch if tail is None else tail(batch, torch_empty)
-        if slot_id is not None:
-            memory: np.ndarray = self._slot_pool.assigned_memory(slot_id)
-            arena = Arena(slot_id, torch.from_numpy(memory))
-            return encode(batch if tail is None else tail(batch, arena.empty), arena)
-        nbytes = shipped.nbytes
-        if tail is not None:  # the finished batch's size is known once it is made
-            batch = tail(batch, torch_empty)
-            nbytes = slot_bytes_needed(batch)
-        slot = _PrivateSlot(nbytes)
-        return replace(encode(batch, slot.arena), private_slot=slot)
+    def _copied(self, shipped: Shipped, lease: Lease | None) -> Any:
+        memory = (torch.empty(shipped.required, dtype=torch.uint8).numpy() if lease is None
+                  else lease.memory)
+        regions = []
+        end = 0
+        for buffer in shipped.buffers:
+            raw = np.frombuffer(buffer, dtype=np.uint8)
+            start = round_up(end, ALIGN)
+            end = start + raw.nbytes
+            memory[start:end] = raw
+            regions.append(memory.data[start:end])
+        batch, views = unship(shipped, regions)
+        if lease is not None:
+            lease.views = views
+        return batch
+
+    def _finished(self, tail: Callable[[Any, Empty], Any], shipped: Shipped,
+                  lease: Lease | None) -> Any:
+        empty = _Allocator(torch_empty if lease is None
+                           else Arena(None, torch.from_numpy(lease.memory)).empty)
+        batch = tail(unship(shipped)[0], empty)
+
+        tensors: list[torch.Tensor] = []
+
+        def own(tensor: torch.Tensor) -> torch.Tensor:
+            # What the tail passed through still lies in the object store: copy it out.
+            if tensor.untyped_storage().data_ptr() not in empty.made:
+                tensor = empty(tuple(tensor.shape), tensor.dtype).copy_(tensor)
+            tensors.append(tensor)
+            return tensor
+
+        batch = map_tensors(own, batch)
+        self._finished_bytes = sum(round_up(t.nbytes, ALIGN) for t in tensors)
+        if lease is not None:
+            lease.views = tuple(tensors)
+        return batch

@@ -42,6 +42,7 @@ class RemoteWorker:
 
     pid = None
     task_id = None
+    process = None
 
     def __init__(self, actors: Actors, config: WorkerConfig) -> None:
         self.worker_id = config.worker_id

@@ -6,10 +6,10 @@ memory, by file descriptor; neither reaches another machine. An actor's batch tr
 tensor replaced by a descriptor of its storage, and each storage (and each contiguous numpy
 array) as an out-of-band buffer, which Ray writes into its object store once and never pickles.
 
-The main process rebuilds the batch over those buffers: read-only views of the object store,
-no copy, alive only until the codec has copied the batch into a pool slot. Views keep their
-storage, as torch's own pickling keeps it: ``(x, x[0])`` arrives as two tensors over one
-storage, so the codec places them as it places a worker process's.
+The main process rebuilds the batch over buffers it chooses: the object store's own (read-only
+views, no copy), or copies of them in a pool slot (:mod:`~fastfeed.backends.ray.landing`),
+once. Views keep their storage, as torch's own pickling keeps it: ``(x, x[0])`` arrives as two
+tensors over one storage.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 import io
 import pickle
 import warnings
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -74,16 +75,39 @@ class _StorageIds:
 
 
 class _ShipUnpickler(pickle.Unpickler):
-    def __init__(self, file: io.BytesIO, buffers: tuple[Any, ...]) -> None:
+    def __init__(self, file: io.BytesIO, buffers: Sequence[Any]) -> None:
         super().__init__(file, buffers=buffers)
         self._storages: dict[int, torch.Tensor] = {}  # id(storage bytes) -> a uint8 tensor
         self._rebuilt: dict[int, torch.Tensor] = {}  # id(descriptor) -> tensor
+        self._arrays: list[np.ndarray] = []  # every array rebuilt over an out-of-band buffer
+        self._storage_ids: set[int] = set()  # those of them that are tensors' storages
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = super().find_class(module, name)
+        if module.startswith("numpy") and name == "_frombuffer":
+            return self._recorded(found)
+        return found
+
+    def _recorded(self, frombuffer: Callable[..., np.ndarray]) -> Callable[..., np.ndarray]:
+        """numpy's rebuilder of an array over an out-of-band buffer, noting what it built."""
+        def rebuild(*args: Any) -> np.ndarray:
+            array = frombuffer(*args)
+            self._arrays.append(array)
+            return array
+
+        return rebuild
+
+    def views(self) -> tuple[object, ...]:
+        """The batch's tensors and arrays over the buffers (a tensor's storage is not one)."""
+        arrays = (a for a in self._arrays if id(a) not in self._storage_ids)
+        return (*self._rebuilt.values(), *arrays)
 
     def persistent_load(self, pid: Any) -> Any:
         if not isinstance(pid, ShippedTensor):
             raise pickle.UnpicklingError(f"unknown fastfeed persistent id {pid!r}")
         tensor = self._rebuilt.get(id(pid))
         if tensor is None:
+            self._storage_ids.add(id(pid.storage))
             raw = self._storage(pid.storage)
             raw = raw[: raw.numel() - raw.numel() % pid.dtype.itemsize].view(pid.dtype)
             tensor = self._rebuilt[id(pid)] = torch.as_strided(raw, pid.shape, pid.stride,
@@ -115,10 +139,14 @@ def ship(batch: Any, pickler: type[pickle.Pickler] = pickle.Pickler) -> Shipped:
     writer = pickler(file, protocol=5, buffer_callback=buffers.append)
     writer.persistent_id = ids.persistent_id  # type: ignore[method-assign]
     writer.dump(batch)
-    nbytes = sum(memoryview(b).nbytes for b in buffers) + ALIGN * (len(buffers) + ids.tensors)
-    return Shipped(file.getvalue(), tuple(buffers), nbytes)
+    required = sum(memoryview(b).nbytes for b in buffers) + ALIGN * (len(buffers) + ids.tensors)
+    return Shipped(file.getvalue(), tuple(buffers), required)
 
 
-def unship(shipped: Shipped) -> Any:
-    """Main side: the batch, its tensors and arrays views of ``shipped.buffers``."""
-    return _ShipUnpickler(io.BytesIO(shipped.payload), shipped.buffers).load()
+def unship(shipped: Shipped, buffers: Sequence[Any] | None = None
+           ) -> tuple[Any, tuple[object, ...]]:
+    """Main side: the batch, its tensors and arrays views of ``buffers`` (copies of
+    ``shipped.buffers``, in order; by default those buffers themselves), and those views."""
+    unpickler = _ShipUnpickler(io.BytesIO(shipped.payload),
+                               shipped.buffers if buffers is None else buffers)
+    return unpickler.load(), unpickler.views()
