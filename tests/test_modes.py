@@ -1,6 +1,8 @@
-"""Thread workers, num_workers="auto", deterministic=True, and stats()."""
+"""Thread workers, num_workers="auto", deterministic=True, stats(), and the backend registry."""
 
 import logging
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +20,10 @@ from sample_datasets import (
 )
 from torch.utils.data import DataLoader
 
+import fastfeed
 from fastfeed import FastLoader, LoaderStats
+from fastfeed.backends import registry
+from fastfeed.backends.thread import ThreadBackend
 from fastfeed.slots import slot_budget
 
 THREADS = {"worker_mode": "thread"}
@@ -178,3 +183,35 @@ def test_log_every_prints_without_logging_configured(tmp_path):
     err = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stderr
     assert err.count("fastfeed:") == 2
+
+
+class OneAtATimeBackend(ThreadBackend):
+    """A backend a user of the registry might add: here, thread workers under another name."""
+
+    name = "one-at-a-time"
+
+
+def test_a_new_backend_is_its_class_and_a_registry_entry(monkeypatch):
+    """Nothing outside the backend and the registry needs to know a mode's name: the loader
+    checks it, plans with it and runs it from the registry alone."""
+    monkeypatch.setitem(registry._BACKENDS, OneAtATimeBackend.name, OneAtATimeBackend)
+    compare(TensorDataset, batch_size=4, num_workers=2, shuffle=True, generator=5,
+            fast={"worker_mode": OneAtATimeBackend.name})
+    loader = FastLoader(TensorDataset(), batch_size=4, num_workers=2,
+                        worker_mode=OneAtATimeBackend.name)
+    list(loader)
+    assert loader.stats().worker_mode == OneAtATimeBackend.name
+    with pytest.raises(ValueError, match="map-style"):  # its refusals are its base's
+        FastLoader(ShardedIterable(), num_workers=2, worker_mode=OneAtATimeBackend.name)
+
+
+def test_no_worker_mode_is_compared_by_name_outside_the_backends():
+    """What a mode means is asked of its backend's traits; only the backends and the registry
+    name modes (the loader's default and docs aside)."""
+    root = Path(fastfeed.__file__).parent
+    compared = re.compile(r"""(==|!=|\bin\b)\s*\(?["'](process|thread|ray)["']""")
+    offenders = [f"{path.relative_to(root)}:{number}"
+                 for path in root.rglob("*.py") if "backends" not in path.parts
+                 for number, line in enumerate(path.read_text().splitlines(), 1)
+                 if compared.search(line)]
+    assert offenders == []
