@@ -3,14 +3,16 @@
 :func:`fastfeed.ultralytics.patch`, the integrations (timm, Hugging Face Accelerate) and the
 doctor's probe replace attributes of other libraries' modules and classes. Each keeps those
 replacements in a :class:`Swaps` table, which puts the originals back in reverse order, and
-checks the FastLoader options it passes on with :func:`check_fastloader_options`. An
-integration whose ``patch()`` takes FastLoader options only gets its ``patch``, ``unpatch``,
-``is_patched`` and ``patched`` from a :class:`Patch`.
+checks the FastLoader options it passes on with :func:`check_fastloader_options`. Every
+integration gets its ``patch``, ``unpatch``, ``is_patched`` and ``patched`` from a
+:class:`Patch`, which sorts ``patch()``'s keywords into the integration's own and the
+FastLoader options.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
@@ -86,23 +88,30 @@ class Swaps:
 
 
 class Patch:
-    """The ``patch``, ``unpatch``, ``is_patched`` and ``patched`` of an integration whose
-    ``patch()`` takes FastLoader options only.
+    """The ``patch``, ``unpatch``, ``is_patched`` and ``patched`` of an integration.
 
     Args:
-        swap: ``swap(swaps, options)`` replaces the library's attributes in the table ``swaps``,
-            with the options checked; it imports the library, so ``patch()`` raises
-            ``ImportError`` without it. A second ``patch()`` calls it again on the same table.
+        swap: ``swap(swaps, fastloader_options, **own)`` replaces the library's attributes in
+            the table ``swaps``, with the FastLoader options checked; the keyword-only
+            parameters of ``swap`` are the integration's own arguments (Ultralytics'
+            ``fast_decode``, say), which it checks itself. It imports the library, so
+            ``patch()`` raises ``ImportError`` without it. A second ``patch()`` calls it again
+            on the same table.
     """
 
-    def __init__(self, swap: Callable[[Swaps, dict[str, Any]], None]) -> None:
+    def __init__(self, swap: Callable[..., None]) -> None:
         self.swaps = Swaps()
         self._swap = swap
+        self._own = frozenset(
+            name for name, parameter in inspect.signature(swap).parameters.items()
+            if parameter.kind is inspect.Parameter.KEYWORD_ONLY)
 
-    def patch(self, **fastloader_options: Any) -> None:
-        """Check ``fastloader_options``, then make the swaps with them."""
-        check_fastloader_options(fastloader_options)
-        self._swap(self.swaps, fastloader_options)
+    def patch(self, **arguments: Any) -> None:
+        """Check the FastLoader options among ``arguments``, then make the swaps with them
+        and with the integration's own arguments."""
+        own = {name: arguments.pop(name) for name in self._own & set(arguments)}
+        check_fastloader_options(arguments)
+        self._swap(self.swaps, arguments, **own)
 
     def unpatch(self) -> None:
         """Put back everything :func:`patch` replaced."""
@@ -113,9 +122,9 @@ class Patch:
         return bool(self.swaps)
 
     @contextlib.contextmanager
-    def patched(self, **fastloader_options: Any) -> Iterator[None]:
+    def patched(self, **arguments: Any) -> Iterator[None]:
         """:func:`patch` for the duration of a ``with`` block, then :func:`unpatch`."""
-        self.patch(**fastloader_options)
+        self.patch(**arguments)
         try:
             yield
         finally:

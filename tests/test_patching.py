@@ -132,3 +132,22 @@ def test_old_accelerate_module_path_warns_and_gives_the_same_functions():
     new = fastfeed.integrations.hf_accelerate
     assert (old.patch, old.unpatch, old.is_patched, old.patched) == (
         new.patch, new.unpatch, new.is_patched, new.patched)
+
+
+def test_an_integrations_own_keywords_reach_its_swap_and_the_rest_are_checked():
+    """Ultralytics' patch() takes arguments of its own beside FastLoader options: one kit
+    sorts them, and rejects what is neither."""
+    module = types.ModuleType("library")
+    module.decode = "stock"
+    calls = []
+
+    def swap(swaps: Swaps, options: dict, *, fast_decode: bool = False) -> None:
+        calls.append((options, fast_decode))
+        swaps.set(module, "decode", "fast" if fast_decode else "same")
+
+    patch = Patch(swap)
+    with pytest.raises(TypeError, match=r"\['fast_deocde'\], which are not FastLoader"):
+        patch.patch(fast_deocde=True)
+    with patch.patched(fast_decode=True, log_every=5):
+        assert module.decode == "fast"
+    assert calls == [({"log_every": 5}, True)] and module.decode == "stock"

@@ -31,15 +31,13 @@ from pathlib import Path
 from typing import Any
 
 from fastfeed._imports import importable
-from fastfeed._patching import Swaps, check_fastloader_options
+from fastfeed._patching import Patch, Swaps
 from fastfeed.backends import candidates
 from fastfeed.device import check_device
 from fastfeed.ultralytics import shared_cache
 from fastfeed.ultralytics.infinite_loader import InfiniteFastLoader
 
-__all__ = ["InfiniteFastLoader", "PatchInWorkers", "is_patched", "patch", "unpatch"]
-
-_swaps = Swaps()
+__all__ = ["InfiniteFastLoader", "PatchInWorkers", "is_patched", "patch", "patched", "unpatch"]
 
 
 def patch(fast_decode: bool = False, augment_device: str | None = None,
@@ -91,30 +89,8 @@ def patch(fast_decode: bool = False, augment_device: str | None = None,
        trainer from a pickle, with a callback added here that calls :func:`patch` with these
        arguments in each of them.
     """
-    if not importable("ultralytics"):
-        raise ImportError("fastfeed.ultralytics.patch() needs Ultralytics: "
-                          "pip install 'fastfeed[ultralytics]'")
-    check_fastloader_options(fastloader_options)
-    _check_augment_device(augment_device, fastloader_options)
-    if cache not in (None, "shared"):
-        raise ValueError(f"cache must be None or 'shared', got {cache!r}")
-    if cache == "shared" and not shared_cache.available():
-        warnings.warn("fastfeed was installed without its C++ extensions (no compiler): "
-                      "cache='shared' is off, and cache='ram' stays Ultralytics' own",
-                      RuntimeWarning, stacklevel=2)
-        cache = None
-    _swap_ultralytics(fast_decode, augment_device, cache, cache_budget_gib, fastloader_options)
-
-
-def unpatch() -> None:
-    """Give Ultralytics back its own loader, image reader and cache, label copy, mosaic, warp
-    and HSV."""
-    _swaps.undo()
-
-
-def is_patched() -> bool:
-    """Whether :func:`patch` is in effect."""
-    return bool(_swaps)
+    _patch.patch(fast_decode=fast_decode, augment_device=augment_device, cache=cache,
+                 cache_budget_gib=cache_budget_gib, **fastloader_options)
 
 
 def _check_augment_device(augment_device: str | None, fastloader_options: dict[str, Any]
@@ -130,11 +106,23 @@ def _check_augment_device(augment_device: str | None, fastloader_options: dict[s
     check_device(augment_device)  # now, rather than when training builds its loaders
 
 
-def _swap_ultralytics(fast_decode: bool, augment_device: str | None, cache: str | None,
-                      cache_budget_gib: float | None, fastloader_options: dict[str, Any]
-                      ) -> None:
-    """Replace, in :data:`_swaps`, what :func:`patch` changes in Ultralytics; each replacement
-    is made from Ultralytics' own attribute, so a second call starts again from it."""
+def _swap_ultralytics(swaps: Swaps, fastloader_options: dict[str, Any], *,
+                      fast_decode: bool = False, augment_device: str | None = None,
+                      cache: str | None = None, cache_budget_gib: float | None = None) -> None:
+    """Replace, in ``swaps``, what :func:`patch` changes in Ultralytics; each replacement is
+    made from Ultralytics' own attribute, so a second call starts again from it."""
+    if not importable("ultralytics"):
+        raise ImportError("fastfeed.ultralytics.patch() needs Ultralytics: "
+                          "pip install 'fastfeed[ultralytics]'")
+    _check_augment_device(augment_device, fastloader_options)
+    if cache not in (None, "shared"):
+        raise ValueError(f"cache must be None or 'shared', got {cache!r}")
+    if cache == "shared" and not shared_cache.available():
+        warnings.warn("fastfeed was installed without its C++ extensions (no compiler): "
+                      "cache='shared' is off, and cache='ram' stays Ultralytics' own",
+                      RuntimeWarning, stacklevel=4)  # at the call of patch()
+        cache = None
+
     from ultralytics.data import augment, base, build
     from ultralytics.utils import dist
 
@@ -162,20 +150,24 @@ def _swap_ultralytics(fast_decode: bool, augment_device: str | None, cache: str 
     def check_cache_ram(original: Callable[..., Any]) -> Callable[..., Any]:
         return shared_cache.shared_check_cache_ram(original) if shared else original
 
-    _swaps.set(build, "InfiniteDataLoader", type(
+    swaps.set(build, "InfiniteDataLoader", type(
         InfiniteFastLoader.__name__, (InfiniteFastLoader,),
         {"fastloader_options": dict(fastloader_options), "augment_device": augment_device,
          "__module__": __name__}))
-    _swaps.wrap(base.BaseDataset, "load_image", load_image)
-    _swaps.wrap(base.BaseDataset, "cache_images", cache_images)
-    _swaps.wrap(base.BaseDataset, "check_cache_ram", check_cache_ram)
-    _swaps.set(base, "deepcopy", copy_labels)  # get_image_and_label's copy of labels
-    _swaps.wrap(dist, "generate_ddp_file",
+    swaps.wrap(base.BaseDataset, "load_image", load_image)
+    swaps.wrap(base.BaseDataset, "cache_images", cache_images)
+    swaps.wrap(base.BaseDataset, "check_cache_ram", check_cache_ram)
+    swaps.set(base, "deepcopy", copy_labels)  # get_image_and_label's copy of labels
+    swaps.wrap(dist, "generate_ddp_file",
                 lambda original: _patching_ddp_workers(original, arguments))
     if "apply_image" in vars(augment.RandomPerspective):  # its warp since Ultralytics 8.4
-        _swaps.wrap(augment.RandomPerspective, "apply_image", exact_warp)
-        _swaps.wrap(augment.Mosaic, "apply_image", lazy_mosaic)
-    _swaps.wrap(augment.RandomHSV, "apply_image", exact_hsv)
+        swaps.wrap(augment.RandomPerspective, "apply_image", exact_warp)
+        swaps.wrap(augment.Mosaic, "apply_image", lazy_mosaic)
+    swaps.wrap(augment.RandomHSV, "apply_image", exact_hsv)
+
+
+_patch = Patch(_swap_ultralytics)
+unpatch, is_patched, patched = _patch.unpatch, _patch.is_patched, _patch.patched
 
 
 class PatchInWorkers:
