@@ -1,4 +1,4 @@
-"""Failures are loud and clean (DESIGN.md invariant 5), and behave as torch's do."""
+"""Failures are loud and clean (docs/design.md, invariant 5), and behave as torch's do."""
 
 import contextlib
 import gc

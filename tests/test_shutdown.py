@@ -183,7 +183,7 @@ def _unused_pid() -> int:
     ([FakeWorker(), FakeWorker(stops=False)], False),
 ], ids=["stopped", "reaped-elsewhere", "one-still-running"])
 def test_tickets_return_only_once_no_worker_can_write(workers, released):
-    """DESIGN.md invariant 2 on shutdown: the slots of tasks still in flight go back to the
+    """docs/design.md, invariant 2 on shutdown: the slots of tasks still in flight go back to the
     ring only when every worker is gone; a worker that outlives terminate() keeps them."""
     from fastfeed.backends.process import ProcessWorker, stop_processes
 

@@ -1,4 +1,4 @@
-"""Slot lifetime (DESIGN.md invariant 2) and the slot pool's fallbacks."""
+"""Slot lifetime (docs/design.md, invariant 2) and the slot pool's fallbacks."""
 
 import gc
 import os

@@ -89,7 +89,7 @@ class StreamCopier:
       could read after the slot is reused: that batch is refused (``TypeError``).
     * The copy and ``gpu_transform`` run on ``stream``; an event recorded after them, however
       they end, fences the batch's pool slot (its lease): the slot is not reused before the
-      event completes, whatever happens to the host batch (DESIGN.md invariant 2).
+      event completes, whatever happens to the host batch (docs/design.md, invariant 2).
     * Numpy leaves stay on the host. The transform reads them in the slot (nvjpeg's encoded
       files); those it passes on are copied out of the slot after it, since the user may copy
       them to the GPU themselves, unfenced.

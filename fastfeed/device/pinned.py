@@ -16,8 +16,8 @@ iterator pins it.
   GPU as its current device (pinned memory is allocated in that GPU's context: a rank must
   not create a context on GPU 0).
 * The host batch, and with it the lease on its slot, is dropped once its copy is made: no slot
-  returns to the slot pool while a copy of it runs (DESIGN.md invariant 2), and none is held by a
-  batch that waits pinned. (``pin_memory`` leaves numpy arrays as they are: those keep their
+  returns to the pool while a copy of it runs (docs/design.md, invariant 2), and none is held
+  by a batch that waits pinned. (``pin_memory`` leaves numpy arrays as they are: those keep their
   slot, as in any host batch.)
 * An error of the host iterator is raised in its batch's turn; the helper then pulls nothing
   more until the consumer has taken it.

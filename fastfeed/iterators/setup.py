@@ -181,7 +181,8 @@ class IteratorPlanner:
                    copy_device: int | None) -> SlotPool | None:
         """The loader's slot pool, made on first use and kept across epochs (page-locking is slow
         and synchronising). Its slots are page-locked only when fastfeed owns every copy out
-        of them (``device="cuda"``): a slot the user copies from must not be (invariant 2)."""
+        of them (``device="cuda"``): a slot the user copies from must not be
+        (docs/design.md, invariant 2)."""
         if not backend.traits.uses_slot_pool or ring_slots == 0 or not slots_supported():
             return None
         if self.slot_pool is None:

@@ -1,7 +1,7 @@
 """The main process's side of the slot pool: slots, who owns each, and when one may be reused.
 
 The main process owns the slot pool (one per loader, kept across epochs). A slot has exactly one
-owner at a time, and only the slot pool changes it (DESIGN.md invariant 2)::
+owner at a time, and only the slot pool changes it (docs/design.md, invariant 2)::
 
     FREE ──acquire()──> ASSIGNED(ticket) ──lease(ticket)──> LEASED ──last view dies──> FREE
                               └────────release(ticket)──────────────────────────────────┘
