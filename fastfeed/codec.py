@@ -27,8 +27,8 @@ from fastfeed.protocol import Encoded
 from fastfeed.slots.arena import Arena
 from fastfeed.slots.pool import Lease
 
-__all__ = ["SlotArray", "SlotTensor", "ToPlace", "Unplaced", "decode", "encode",
-           "slot_bytes_needed"]
+__all__ = ["SlotArray", "SlotTensor", "ToPlace", "Unplaced", "decode", "decode_if_encoded",
+           "encode", "slot_bytes_needed"]
 
 
 # A storage up to this many times larger than the bytes a batch views of it is copied whole
@@ -294,6 +294,12 @@ class _SlotUnpickler(pickle.Unpickler):
             view = np.frombuffer(window, dtype=dtype).reshape(shape, order=pid.order)
         self.views.append(view)
         return view
+
+
+def decode_if_encoded(batch: Any, lease: Lease | None) -> Any:
+    """``batch`` rebuilt by :func:`decode` if it is an :class:`Encoded` message, else as it is
+    (a batch that crossed by torch's own path, or never crossed)."""
+    return decode(batch, lease) if isinstance(batch, Encoded) else batch
 
 
 def decode(message: Encoded, lease: Lease | None) -> Any:

@@ -1,4 +1,5 @@
-"""Small generated data for the client-library tests (``tests/test_clients_*.py``).
+"""Small generated data for the client-library tests (``tests/test_clients_*.py``), and the
+skip of a test module whose client library is not there.
 
 Everything is written offline into a test's ``tmp_path``: a few dozen tiny JPEGs, so that
 each side-by-side run takes well under a second.
@@ -7,13 +8,26 @@ each side-by-side run takes well under a second.
 from __future__ import annotations
 
 import functools
+import importlib
 import io
 import random
 from typing import Any
 
 import numpy as np
+import pytest
 
 from fastfeed.vision.synthetic import make_image
+
+
+def import_or_skip(*modules: str) -> None:
+    """Import ``modules`` for a test module of the client environment, or skip the whole test
+    module: a library missing, or built for another torch (torchvision's wheels raise a
+    RuntimeError beside the CPU build of torch)."""
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except Exception as error:
+            pytest.skip(f"needs {module}: {error}", allow_module_level=True)
 
 
 def jpeg(rng: random.Random, width: int = 32, height: int = 24) -> bytes:

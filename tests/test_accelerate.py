@@ -15,13 +15,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from clients import import_or_skip
 from torch.overrides import TorchFunctionMode
 
 pytestmark = pytest.mark.clients
-try:
-    import torchvision  # noqa: F401
-except Exception as error:  # missing, or built for another torch (a RuntimeError)
-    pytest.skip(f"needs torchvision: {error}", allow_module_level=True)
+import_or_skip("torchvision")
 from PIL import Image  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 from torchvision import datasets  # noqa: E402

@@ -15,12 +15,11 @@ import numpy as np
 import nvjpeg_model
 import pytest
 import torch
+from clients import import_or_skip
 
 pytestmark = pytest.mark.clients
-try:
-    import torchvision
-except Exception as error:  # missing, or built for another torch (a RuntimeError)
-    pytest.skip(f"needs torchvision: {error}", allow_module_level=True)
+import_or_skip("torchvision")
+import torchvision  # noqa: E402
 from helpers import host_syncs_raise  # noqa: E402
 from PIL import Image  # noqa: E402
 from test_accelerate import MEAN, PIPELINES, STD, Recorder, sample_folder  # noqa: E402

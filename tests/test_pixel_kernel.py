@@ -11,22 +11,12 @@ import numpy as np
 import pytest
 import torch
 from helpers import host_syncs_raise
+from pixel_batches import FLAG_COLUMNS, params, recorded
 from test_pixel_ops import pack, random_images, random_matrices
 from test_pixel_ops_launches import Ops
 from torch.utils._python_dispatch import _disable_current_modes
 
-from fastfeed.ultralytics.gpu_augment import (
-    FLIP_LR_FLAG,
-    FLIP_UD_FLAG,
-    HSV_FLAG,
-    LUT_KEY,
-    PARAM_COLUMNS,
-    PARAMS_KEY,
-    REGION_KEY,
-    REVERSE_FLAG,
-    SIZE_KEY,
-    PixelOps,
-)
+from fastfeed.ultralytics.gpu_augment import LUT_KEY, PARAMS_KEY, REGION_KEY, PixelOps
 
 pytestmark = pytest.mark.clients
 triton = pytest.importorskip("triton")
@@ -59,15 +49,9 @@ def recorded_batch(images, matrices, size, seed=0):
     batch = len(images)
     pixels, regions = pack(images, matrices, size)
     g = torch.Generator().manual_seed(seed)
-    params = torch.zeros(batch, PARAM_COLUMNS, dtype=torch.float64)
-    params[:, :6] = torch.from_numpy(np.asarray(matrices)[:, :2].reshape(batch, 6))
-    for bit, column in enumerate((HSV_FLAG, REVERSE_FLAG, FLIP_LR_FLAG, FLIP_UD_FLAG)):
-        params[:, column] = torch.tensor([(i >> bit) & 1 for i in range(batch)],
-                                         dtype=torch.float64)
     luts = torch.randint(0, 256, (batch, 3, 256), dtype=torch.uint8, generator=g)
     luts[:, 0] %= 180  # hues, as RandomHSV's table holds them
-    return {"img": pixels, PARAMS_KEY: params, LUT_KEY: luts, REGION_KEY: regions,
-            SIZE_KEY: size}
+    return recorded(pixels, params(matrices, range(batch)), luts, regions, size)
 
 
 def awkward_matrices(batch, canvas, size, seed):
@@ -148,13 +132,12 @@ def test_the_kernel_refuses_what_it_would_misread():
 
     batch = recorded_batch(random_images(2, 32, 32), random_matrices(2, 32, 16), (16, 16))
     args = [batch[k] for k in ("img", REGION_KEY, PARAMS_KEY, LUT_KEY)]
-    columns = (HSV_FLAG, REVERSE_FLAG, FLIP_LR_FLAG, FLIP_UD_FLAG)
     for index, wrong in ((0, args[0].view(-1)), (1, args[1].int()), (2, args[2].float()),
                          (3, args[3][:1])):
         bad = list(args)
         bad[index] = wrong
         with pytest.raises(ValueError, match="must be"):
-            apply_pixel_ops(*bad, (16, 16), 114, True, columns)
+            apply_pixel_ops(*bad, (16, 16), 114, True, FLAG_COLUMNS)
 
 
 def test_compiled_for_an_h100_it_fuses_opencvs_multiply_adds_and_no_other():
@@ -170,9 +153,9 @@ def test_compiled_for_an_h100_it_fuses_opencvs_multiply_adds_and_no_other():
     signature = {"pixels": "*u8", "regions": "*i64", "params": "*fp64", "luts": "*u8",
                  "out": "*u8", "out_h": "i32", "out_w": "i32", "params_stride": "i32",
                  "border": "fp32"}
-    flags = {"HSV_COLUMN": HSV_FLAG, "REVERSE_COLUMN": REVERSE_FLAG,
-             "FLIP_LR_COLUMN": FLIP_LR_FLAG, "FLIP_UD_COLUMN": FLIP_UD_FLAG,
-             "IN_FLOAT64": False, "BLOCK": pixel_kernel.BLOCK}
+    names = ("HSV_COLUMN", "REVERSE_COLUMN", "FLIP_LR_COLUMN", "FLIP_UD_COLUMN")
+    flags = {**dict(zip(names, FLAG_COLUMNS, strict=True)), "IN_FLOAT64": False,
+             "BLOCK": pixel_kernel.BLOCK}
     per_thread = pixel_kernel.BLOCK // (32 * 4)  # Triton's default of 4 warps
     for truncate in (True, False):
         constants = {**flags, "TRUNCATE": truncate}

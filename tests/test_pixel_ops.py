@@ -6,8 +6,10 @@ import numpy as np
 import pytest
 import torch
 from helpers import host_syncs_raise
+from pixel_batches import params, recorded
 
 from fastfeed.ultralytics import pixel_ops
+from fastfeed.ultralytics.gpu_augment import PARAM_COLUMNS, PixelOps
 from fastfeed.ultralytics.pixel_ops import (
     bgr_to_hsv,
     fma_float32,
@@ -143,23 +145,13 @@ def test_device_matches_cpu():
 def test_pixel_ops_never_wait_for_the_device():
     """PixelOps runs on the loader's copy stream from the training thread: it must only
     enqueue work, never read a device value back."""
-    from fastfeed.ultralytics.gpu_augment import (
-        LUT_KEY,
-        PARAM_COLUMNS,
-        PARAMS_KEY,
-        REGION_KEY,
-        SIZE_KEY,
-        PixelOps,
-    )
 
     ops = PixelOps(truncate_hsv=True, fused=False)  # the kernel's: test_pixel_kernel.py
     matrices = random_matrices(2, 128, 64)
     pixels, regions = pack(random_images(2, 128, 128), matrices, (64, 64))
-    params = torch.ones(2, PARAM_COLUMNS, dtype=torch.float64)
-    params[:, :6] = torch.from_numpy(matrices[:, :2].reshape(2, 6))
-    batch = {"img": pixels.cuda(), PARAMS_KEY: params.cuda(), REGION_KEY: regions.cuda(),
-             LUT_KEY: torch.arange(256, dtype=torch.uint8).expand(2, 3, 256).contiguous().cuda(),
-             SIZE_KEY: (64, 64)}
+    luts = torch.arange(256, dtype=torch.uint8).expand(2, 3, 256).contiguous()
+    batch = recorded(pixels.cuda(), params(matrices, [0b1111] * 2).cuda(), luts.cuda(),
+                     regions.cuda(), (64, 64))
     ops(dict(batch))  # the first call makes the per-device tables
     with host_syncs_raise():
         out = ops(dict(batch))
@@ -248,14 +240,6 @@ def test_pixel_ops_off_the_cpu_take_no_float64_per_pixel():
     tensor larger than the per-image parameters."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from fastfeed.ultralytics.gpu_augment import (
-        LUT_KEY,
-        PARAM_COLUMNS,
-        PARAMS_KEY,
-        REGION_KEY,
-        SIZE_KEY,
-        PixelOps,
-    )
 
     batch, side = 4, 64
 
@@ -270,11 +254,10 @@ def test_pixel_ops_off_the_cpu_take_no_float64_per_pixel():
             return out
 
     regions = torch.tensor([[i * side * side, side, side, 0, 0] for i in range(batch)])
-    params = torch.zeros(batch, PARAM_COLUMNS, dtype=torch.float64)
-    params[:, 0] = params[:, 4] = params[:, 6] = 1
-    data = {"img": torch.zeros(batch * side * side, 3, dtype=torch.uint8), REGION_KEY: regions,
-            PARAMS_KEY: params, LUT_KEY: torch.zeros(batch, 3, 256, dtype=torch.uint8),
-            SIZE_KEY: (side, side)}
+    identity = [[[1, 0, 0], [0, 1, 0]]] * batch
+    data = recorded(torch.zeros(batch * side * side, 3, dtype=torch.uint8),
+                    params(identity, [0b0001] * batch),
+                    torch.zeros(batch, 3, 256, dtype=torch.uint8), regions, (side, side))
     data = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in data.items()}
     with Float64Sizes() as trace:
         out = PixelOps(truncate_hsv=True)(data)

@@ -11,24 +11,13 @@ import cuda_model
 import numpy as np
 import pytest
 import torch
+from pixel_batches import params, recorded
 from test_pixel_ops import random_images, random_matrices
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fastfeed import FastLoader
 from fastfeed.ultralytics import pixel_ops
-from fastfeed.ultralytics.gpu_augment import (
-    FLIP_LR_FLAG,
-    FLIP_UD_FLAG,
-    HSV_FLAG,
-    LUT_KEY,
-    PARAM_COLUMNS,
-    PARAMS_KEY,
-    REGION_KEY,
-    REVERSE_FLAG,
-    SIZE_KEY,
-    CanvasCollate,
-    PixelOps,
-)
+from fastfeed.ultralytics.gpu_augment import CanvasCollate, PixelOps
 from fastfeed.ultralytics.pixel_ops import source_region
 
 CANVAS, SIZE = 64, (32, 24)
@@ -45,14 +34,9 @@ class RecordedSamples(torch.utils.data.Dataset):
         canvas = random_images(1, CANVAS, CANVAS, seed=index)[0]
         matrix = random_matrices(1, CANVAS, SIZE[0], seed=index)[0]
         left, top, right, bottom = source_region(matrix, SIZE, CANVAS, CANVAS)
-        params = torch.zeros(PARAM_COLUMNS, dtype=torch.float64)
-        params[:6] = torch.from_numpy(matrix[:2].ravel())
-        for bit, column in enumerate((HSV_FLAG, REVERSE_FLAG, FLIP_LR_FLAG, FLIP_UD_FLAG)):
-            params[column] = (index >> bit) & 1
         lut = torch.from_numpy(np.random.default_rng(index).integers(0, 180, (3, 256), np.uint8))
-        return {"img": canvas[top:bottom, left:right], PARAMS_KEY: params, LUT_KEY: lut,
-                REGION_KEY: torch.tensor([bottom - top, right - left, left, top]),
-                SIZE_KEY: SIZE}
+        return recorded(canvas[top:bottom, left:right], params([matrix], [index])[0], lut,
+                        torch.tensor([bottom - top, right - left, left, top]), SIZE)
 
 
 def listed(samples):

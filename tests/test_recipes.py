@@ -11,13 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from clients import import_or_skip
 
 pytestmark = pytest.mark.clients
-try:
-    import timm.data  # noqa: F401
-    import torchvision  # noqa: F401
-except Exception as error:  # missing, or built for another torch (a RuntimeError)
-    pytest.skip(f"needs torchvision and timm: {error}", allow_module_level=True)
+import_or_skip("torchvision", "timm.data")
 from timm.data import create_transform  # noqa: E402
 from timm.data.transforms import RandomResizedCropAndInterpolation  # noqa: E402
 from timm.data.transforms import ToNumpy as TimmToNumpy  # noqa: E402

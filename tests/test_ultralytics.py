@@ -18,14 +18,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from clients import import_or_skip
 
 pytestmark = pytest.mark.clients
 os.environ.setdefault("YOLO_OFFLINE", "1")  # no downloads, no telemetry
-try:
-    import cv2
-    import ultralytics  # noqa: F401
-except Exception as error:  # missing, or its torchvision built for another torch
-    pytest.skip(f"needs ultralytics: {error}", allow_module_level=True)
+import_or_skip("ultralytics")  # missing, or its torchvision built for another torch
+import cv2  # noqa: E402
 from helpers import assert_same  # noqa: E402
 from PIL import Image  # noqa: E402
 from procs import assert_no_leaks, child_pids, open_fds, snapshot, wait_until  # noqa: E402

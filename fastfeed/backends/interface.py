@@ -26,23 +26,14 @@ from multiprocessing.process import BaseProcess
 from typing import Any, ClassVar, Protocol
 
 from fastfeed.autotune import initial_workers
-from fastfeed.codec import decode
+from fastfeed.codec import decode_if_encoded
 from fastfeed.collate import Empty
-from fastfeed.protocol import (
-    Answer,
-    Encoded,
-    EpochStarted,
-    SlotAdded,
-    StartEpoch,
-    Stop,
-    Task,
-    WorkerConfig,
-)
+from fastfeed.protocol import Answer, EpochStarted, SlotAdded, StartEpoch, Stop, Task, WorkerConfig
 from fastfeed.slots import Lease, SlotPool
 
 __all__ = ["ABANDONED_GRACE", "SHUTDOWN_GRACE", "BackendArgs", "BackendTraits", "FromWorker",
            "OnThisMachine", "QueueFedWorker",
-           "ToWorker", "WorkerBackend", "WorkerExited", "WorkerHandle", "rebuild_here"]
+           "ToWorker", "WorkerBackend", "WorkerExited", "WorkerHandle"]
 
 ToWorker = Task | StartEpoch | Stop
 FromWorker = Answer | EpochStarted
@@ -140,10 +131,17 @@ class WorkerHandle(Protocol):
 
 
 class OnThisMachine:
-    """The class side of a backend whose workers run on this machine's cores: it takes no
-    placement, and ``num_workers="auto"`` starts from this machine's cores and memory."""
+    """What the backends whose workers run on this machine's cores share: they take no
+    placement, ``num_workers="auto"`` starts from this machine's cores and memory, answers
+    come on one queue, and a batch written into a slot is rebuilt over it (any other, from a
+    thread or without a slot pool, is the batch)."""
 
     name: ClassVar[str]
+    _results: Any  # the queue every worker answers on
+
+    @classmethod
+    def refusal(cls, dataset: Any, deterministic: bool) -> str | None:
+        return None
 
     @classmethod
     def placement(cls, ray_options: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -154,6 +152,12 @@ class OnThisMachine:
     @classmethod
     def worker_bounds(cls, placement: dict[str, Any] | None) -> tuple[int, int]:
         return initial_workers()
+
+    def next_answer(self, timeout: float) -> FromWorker:
+        return self._results.get(timeout=timeout)
+
+    def rebuild(self, batch: Any, lease: Lease | None) -> Any:
+        return decode_if_encoded(batch, lease)
 
 
 class QueueFedWorker:
@@ -221,8 +225,3 @@ class WorkerBackend(Protocol):
         the garbage collector runs) nothing blocks: joins happen on a thread of their own."""
         ...
 
-
-def rebuild_here(batch: Any, lease: Lease | None) -> Any:
-    """:meth:`WorkerBackend.rebuild` for workers on this machine: a batch written into a slot
-    is rebuilt over it; any other (from a thread, or without a slot pool) is the batch."""
-    return decode(batch, lease) if isinstance(batch, Encoded) else batch

@@ -25,13 +25,10 @@ from fastfeed.backends.interface import (
     SHUTDOWN_GRACE,
     BackendArgs,
     BackendTraits,
-    FromWorker,
     OnThisMachine,
     QueueFedWorker,
-    rebuild_here,
 )
 from fastfeed.protocol import ShutdownFlag, SlotAdded, SlotDropped, Stop, WorkerConfig
-from fastfeed.slots import Lease
 from fastfeed.slots.control import ControlPipe
 from fastfeed.worker import own_process, worker_loop
 
@@ -144,16 +141,6 @@ class ProcessBackend(OnThisMachine):
             # A worker added late maps the slots that exist already.
             worker.announce_slots(self._slot_pool.slots(), [])
         return worker
-
-    @classmethod
-    def refusal(cls, dataset: Any, deterministic: bool) -> str | None:
-        return None
-
-    def next_answer(self, timeout: float) -> FromWorker:
-        return self._results.get(timeout=timeout)
-
-    def rebuild(self, batch: Any, lease: Lease | None) -> Any:
-        return rebuild_here(batch, lease)
 
     def shutdown(self, wait: bool = True, then: Callable[[], None] | None = None) -> None:
         """Ask the workers to exit, then join them (terminating any still busy after the

@@ -20,10 +20,8 @@ from fastfeed.backends.interface import (
     OnThisMachine,
     QueueFedWorker,
     ToWorker,
-    rebuild_here,
 )
 from fastfeed.protocol import ShutdownFlag, SlotAdded, Stop, WorkerConfig
-from fastfeed.slots import Lease
 from fastfeed.worker import share_process, worker_loop
 
 __all__ = ["ThreadBackend", "ThreadWorker"]
@@ -84,12 +82,6 @@ class ThreadBackend(OnThisMachine):
             return ("deterministic=True reseeds the global RNGs per sample, which threads "
                     "share: use worker_mode='process'")
         return None
-
-    def next_answer(self, timeout: float) -> FromWorker:
-        return self._results.get(timeout=timeout)
-
-    def rebuild(self, batch: Any, lease: Lease | None) -> Any:
-        return rebuild_here(batch, lease)
 
     def shutdown(self, wait: bool = True, then: Callable[[], None] | None = None) -> None:
         # Thread workers write no pool slot: ``then`` has nothing to wait for.
