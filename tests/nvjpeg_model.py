@@ -27,9 +27,9 @@ import types
 
 import numpy as np
 import torch
+from cuda_model.streams import Kernel
 from PIL import Image
 
-from fastfeed.device import own_streams
 from fastfeed.vision import jpeg_decoders
 
 # What nvJPEG's state takes besides the images (its buffers, the Huffman tables...)
@@ -85,8 +85,9 @@ class _Nvjpeg:
 class ModelDecoder:
     """What both models share: the files checked and decoded (by Pillow), nvJPEG's memory,
     and what the tests read: ``calls``, ``streams`` (the caller's current stream per call),
-    ``read_in_slot`` (per file: read where the worker left it) and ``refused`` (the files, as
-    bytes, nvJPEG refuses as it refuses a corrupt one)."""
+    ``read_in_slot`` (per file: read where the worker left it), ``refused`` (the files, as
+    bytes, nvJPEG refuses as it refuses a corrupt one) and ``waited_for`` (the kernels of
+    others its host waits made the host wait for)."""
 
     function, source = "", ""
 
@@ -95,7 +96,14 @@ class ModelDecoder:
         self.refused: set[bytes] = set()
         self.read_in_slot: list[bool] = []
         self.streams: list = []
+        self.waited_for: list[str] = []
         self.calls = 0
+
+    def synchronize(self, stream) -> None:
+        """cudaStreamSynchronize: the host waits for all of ``stream``'s work, others' too."""
+        self.waited_for += [item.name for item in stream.queue
+                            if isinstance(item, Kernel) and item.name != "write"]
+        stream.synchronize()
 
     def error(self, message: str) -> RuntimeError:
         return checked("decode_images", self.source, message)
@@ -161,10 +169,10 @@ class TorchvisionDecoder(ModelDecoder):
         pixels = self.prepare(data, index, self.state)
         grey = [Image.open(io.BytesIO(np.asarray(d).tobytes())).mode == "L" for d in data]
         outputs = self.outputs(pixels, index)
-        self.stream.synchronize()
+        self.synchronize(self.stream)
         for output, values in zip(outputs, pixels, strict=True):
             self.gpu.write(self.stream, output, values)
-        self.stream.synchronize()
+        self.synchronize(self.stream)
         if mode.name == "UNCHANGED":  # channels sliced off on the current stream
             outputs = [o[0].unsqueeze(0).clone() if g else o for o, g in zip(outputs, grey,
                                                                              strict=True)]
@@ -195,7 +203,7 @@ class TorchcodecDecoder(ModelDecoder):
             outputs = self.outputs(pixels, index)
             for output, values in zip(outputs, pixels, strict=True):
                 self.gpu.write(stream, output, values)
-            stream.synchronize()  # its buffers go back to the cache: their work must be done
+            self.synchronize(stream)  # its buffers go back to the cache: their work done
         return outputs
 
 
@@ -214,9 +222,8 @@ def _module(monkeypatch, name: str) -> types.ModuleType:
 
 def install(monkeypatch, gpu, library: str = "torchvision") -> ModelDecoder:
     """Make ``library``'s GPU JPEG decode (``"torchvision"`` or ``"torchcodec"``) the
-    modelled one, and the one fastfeed chooses; as in a new process, no decoder or stream is
-    made yet."""
-    monkeypatch.setattr(own_streams, "_streams", {})
+    modelled one, and the one fastfeed chooses; as in a new process, no decoder is made
+    yet."""
     monkeypatch.setattr(jpeg_decoders, "_torchvision_device", {})
     monkeypatch.setenv("FASTFEED_JPEG_DECODER", library)
     if library == "torchvision":

@@ -49,3 +49,139 @@ def test_a_rank_makes_no_context_on_a_gpu_it_does_not_use(monkeypatch, rank):
     assert {batch[0].device for batch in got} == {torch.device("cuda", 1)}
     assert_same([[b[0] + 1, b[1]] for b in DataLoader(dataset, batch_size=4)],
                 [map_tensors(gpu.read, batch) for batch in got])
+
+
+# -- the GPU JPEG decoders -----------------------------------------------------------------------
+
+LIBRARIES = ["torchvision", "torchcodec"]
+
+
+def jpeg(seed, size=(40, 32)):
+    values = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), np.uint8)
+    file = io.BytesIO()
+    Image.fromarray(values).save(file, "JPEG")
+    return file.getvalue()
+
+
+def crops_batch(count, device="cuda", seed=0):
+    """A batch of encoded crops (and its labels) on ``device``, as FastLoader's copy makes it;
+    and what it should decode to (Pillow's decode, the same resize, on the CPU)."""
+    crops = [EncodedCrop.encoded(jpeg(seed + i), crop_geometry((2, 1, 30, 24), (16, 16)),
+                                 f"{seed + i}.jpg") for i in range(count)]
+    batch = [collate_crops(crops), torch.arange(count)]
+    want = DecodeCrops(decoder=nvjpeg_model.decode_with_pillow).images(batch[0])
+
+    def to_device(tensor):
+        if not tensor.numel():
+            return torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+        return tensor.pin_memory().to(device, non_blocking=True)
+
+    return map_tensors(to_device, batch), want
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_out_of_memory_in_the_decoder_is_not_taken_for_a_refused_file(monkeypatch, caplog,
+                                                                      library):
+    # nvJPEG allocates with cudaMalloc, outside torch's cache: once the cache holds the free
+    # memory, the decode fails (torchvision wraps even that in "Error while decoding JPEG
+    # images: ..."). Taken for a refusal, the batch was retried file by file and decoded on
+    # the host. torch's cache released, the decode goes through.
+    gpu = cuda_model.install(monkeypatch, cuda_model.Gpu(64 << 20))
+    decoder = nvjpeg_model.install(monkeypatch, gpu, library)
+    batch, want = crops_batch(4)
+    cached = torch.empty(58 << 20, dtype=torch.uint8, device="cuda")
+    del cached  # torch's cache holds it, for the default stream
+    images = DecodeCrops()(batch)[0]
+    gpu.run()
+    assert torch.equal(gpu.read(images), want)
+    assert decoder.calls == 2 and gpu.allocators[0].flushes == 1
+    assert "refused" not in caplog.text
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_a_device_out_of_memory_is_raised_as_such(monkeypatch, caplog, library):
+    gpu = cuda_model.install(monkeypatch, cuda_model.Gpu(64 << 20))
+    decoder = nvjpeg_model.install(monkeypatch, gpu, library)
+    batch, _ = crops_batch(4)
+    held = torch.empty(58 << 20, dtype=torch.uint8, device="cuda")  # the user's, in use
+    with pytest.raises(torch.OutOfMemoryError, match=r"out of device memory.*: 5"):
+        DecodeCrops()(batch)
+    assert decoder.calls == 2 and "refused" not in caplog.text
+    del held
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_a_decode_stream_that_cannot_be_made_is_raised_once_not_refused(monkeypatch, caplog,
+                                                                        library):
+    # A driver older than the runtime: every call fails. Taken for a refusal, every file of
+    # every batch was decoded on the host, the driver asked again for each.
+    gpu = cuda_model.install(monkeypatch, cuda_model.Gpu())
+    decoder = nvjpeg_model.install(monkeypatch, gpu, library)
+    batch, _ = crops_batch(3)
+    gpu.driver.fail = 35  # CUDA_ERROR_INSUFFICIENT_DRIVER... as cuInit reports it
+    decode = DecodeCrops()
+    with pytest.raises(OwnStreamError, match=r"decode stream on cuda:0: cuInit failed: CUDA "
+                                             r"driver error 35 \(CUDA driver version is"):
+        decode(batch)
+    asked = gpu.driver.calls
+    with pytest.raises(OwnStreamError, match="driver error 35"):
+        decode(batch)
+    assert gpu.driver.calls == asked == 1  # remembered
+    assert decoder.calls == 0 and "refused" not in caplog.text
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_the_decoders_host_waits_wait_for_no_one_elses_work(monkeypatch, tmp_path, library):
+    # torchvision's decoder writes on a stream of torch's pool, taken when it is built, and
+    # waits for it on the host twice a batch. A validation loader built it; NCCL and the user
+    # then took the other 31 pool streams, each with work queued (collectives); the training
+    # loader's copy stream, from the pool, was then the decoder's: each decode waited for the
+    # last batch's resize.
+    from fastfeed.vision.encoded_folder import EncodedImageFolder, nvjpeg_transform
+    from fastfeed.vision.gpu_decode import encoded_collate
+    from fastfeed.vision.synthetic import make_imagefolder
+
+    gpu = cuda_model.install(monkeypatch, cuda_model.Gpu())
+    decoder = nvjpeg_model.install(monkeypatch, gpu, library)
+    folder = EncodedImageFolder(make_imagefolder(tmp_path, images=12, classes=2), 16,
+                                train=False)
+
+    def loader():
+        return FastLoader(folder, batch_size=4, device="cuda", collate_fn=encoded_collate,
+                          gpu_transform=nvjpeg_transform())
+
+    list(loader())  # validation
+    gpu.run()
+    for stream in [torch.cuda.Stream() for _ in range(31)]:
+        gpu.launch(stream, "all_reduce", lambda: None)
+    decoder.waited_for.clear()
+    got = list(loader())
+    gpu.run()
+    assert decoder.waited_for == []
+    assert len(got) == 3
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_two_devices_decoding_in_one_process(monkeypatch, library):
+    # Two GPU-decode loaders on two devices: torchvision keeps one decoder for the process
+    # and built a new one, leaking the last, whenever the device changed: every batch.
+    # TorchCodec keeps one per device; with torchvision the second device is refused.
+    gpu = cuda_model.install(monkeypatch, cuda_model.Gpu(devices=2))
+    decoder = nvjpeg_model.install(monkeypatch, gpu, library)
+    decode = DecodeCrops()
+    for _ in range(2):  # each device twice
+        for index in (0, 1):
+            with torch.cuda.device(index):
+                batch, want = crops_batch(2, f"cuda:{index}", seed=index)
+                if library == "torchvision" and index == 1:
+                    with pytest.raises(RuntimeError, match="one device per process"):
+                        decode(batch)
+                    continue
+                images = decode(batch)[0]
+            assert images.device == torch.device("cuda", index)
+            gpu.run()
+            assert torch.equal(gpu.read(images), want)
+    if library == "torchvision":
+        assert decoder.built == [0]
+    else:
+        assert sorted(decoder.states) == [0, 1]

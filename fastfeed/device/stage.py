@@ -10,7 +10,8 @@ consumer, from the loader's arguments (:class:`StageOptions`):
 * ``device="cpu"``: a :class:`~fastfeed.device.prefetch.DeviceIterator` with a
   :class:`~fastfeed.device.copiers.HostCopier`;
 * ``device="cuda"``: the same with a :class:`~fastfeed.device.copiers.StreamCopier` on the
-  loader's copy stream (one per loader), its slots page-locked for that GPU.
+  process's copy stream for that GPU (:mod:`~fastfeed.device.own_streams`: none of torch's
+  pool, which libraries share), its slots page-locked for that GPU.
 
 What the stage asks of the host iterators it will wrap
 (:class:`~fastfeed.iterators.setup.HostTerms`) is known before they are made:
@@ -31,6 +32,7 @@ from typing import Any
 import torch
 
 from fastfeed.device.copiers import Copier, HostCopier, StreamCopier
+from fastfeed.device.own_streams import own_stream
 from fastfeed.device.pinned import PinHelper, PinnedIterator
 from fastfeed.device.prefetch import DeviceIterator, HostIterator, TorchIteratorHost
 from fastfeed.device.resolve import resolve_device
@@ -100,7 +102,7 @@ class DeviceStage:
     def __init__(self, telemetry: Telemetry) -> None:
         self._telemetry = telemetry
         self._target: torch.device | None = None  # the device, resolved at first use
-        self.copy_stream: Any = None  # one per loader, created on first use
+        self.copy_stream: Any = None  # the process's for the device, taken on first use
         self._gpu_sampler: GpuSampler | None = None
         self._pin_helper: PinHelper | None = None  # the last pinned iterator's
 
@@ -175,8 +177,8 @@ class DeviceStage:
             gpu_transform.seed(source.base_seed)
         copier: Copier = HostCopier(target)
         if target.type == "cuda":
-            if self.copy_stream is None:
-                self.copy_stream = torch.cuda.Stream(target)
+            if self.copy_stream is None:  # the process's, never one of torch's pool
+                self.copy_stream = own_stream(target, "copy")
             copier = StreamCopier(target, self.copy_stream)
         # The tail of what the workers make (persistent workers keep the first iterator's)
         # runs first, on the copy stream.

@@ -302,6 +302,7 @@ def install(monkeypatch, gpu: Gpu) -> Gpu:
     replace(torch.cuda, "synchronize", gpu.synchronize)
     replace(page_lock, "TorchCudaRuntime", lambda: gpu.runtime)
     replace(own_streams, "libcuda", lambda: gpu.driver)
+    replace(own_streams, "_streams", {})  # as in a new process: none made yet
 
     def to(self, *args, **kwargs):
         if isinstance(self, DeviceTensor):
