@@ -185,3 +185,24 @@ def test_two_devices_decoding_in_one_process(monkeypatch, library):
         assert decoder.built == [0]
     else:
         assert sorted(decoder.states) == [0, 1]
+
+
+# -- the doctor's GPU clock ------------------------------------------------------------------------
+
+def test_the_doctors_gpu_clock_reads_the_gpu_the_rank_trains_on(monkeypatch):
+    # A DDP script run by torchrun that never calls set_device: its thread's current device is
+    # 0, its GPU LOCAL_RANK's. Events recorded on the current device timed GPU 0 (and made a
+    # context there).
+    from fastfeed.doctor.gpu_waits import GpuWaits
+
+    gpu = cuda_model.install(monkeypatch, cuda_model.Gpu(devices=2))
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    waits = GpuWaits()
+    for index in range(3):
+        mark = waits.request()
+        gpu.launch(gpu.current_stream(1), "the training step", lambda: None)
+        waits.deliver(index, mark)
+    waits.finish()
+    assert sorted(waits.idle_s) == [0, 1, 2]
+    assert mark.recorded.stream is gpu.current_stream(1)
+    assert gpu.contexts == {1}
