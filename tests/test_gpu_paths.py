@@ -273,3 +273,45 @@ def test_a_batch_of_256_takes_under_three_quarters_of_a_gib_and_the_same_every_b
     print("peak reserved per batch, GiB:", [round(p / 2**30, 3) for p in peaks])
     assert max(peaks) < 0.75 * 2**30, [p / 2**30 for p in peaks]
     assert reserved[1] == reserved[2], reserved
+
+
+# -- Triton's first compile ------------------------------------------------------------------------
+
+def test_the_pixel_kernel_is_built_before_the_first_batch_is_asked_for(monkeypatch):
+    # Triton compiles a kernel at its first launch for each specialisation (its argument types,
+    # and each int as 1, a multiple of 16 or neither): seconds with a cold cache, on every rank,
+    # which landed in the training thread's first wait. Here the compile is a stand-in that
+    # says when, where and for what it ran.
+    import sys
+    import threading
+    import types
+
+    import test_pixel_ops_launches as samples
+
+    from fastfeed.ultralytics.gpu_augment import CanvasCollate, PixelOps
+
+    gpu = cuda_model.install(monkeypatch, cuda_model.Gpu())
+    monkeypatch.setattr(samples, "SIZE", (32, 64))  # Ultralytics': multiples of 32
+    built, compiles = threading.Event(), []
+
+    def apply_pixel_ops(pixels, regions, params, luts, size, border, truncate, columns):
+        key = (pixels.dtype, regions.dtype, params.dtype, luts.dtype, params.shape[1],
+               *(1 if n == 1 else 16 if n % 16 == 0 else 0 for n in size), truncate, columns)
+        if key not in {k for _, k in compiles}:
+            compiles.append((threading.current_thread().name, key))
+            built.set()
+        return torch.zeros((len(regions), 3, size[1], size[0]), dtype=torch.uint8,
+                           device=pixels.device)
+
+    kernel = types.ModuleType("fastfeed.ultralytics.pixel_kernel")
+    kernel.apply_pixel_ops = apply_pixel_ops
+    monkeypatch.setitem(sys.modules, "fastfeed.ultralytics.pixel_kernel", kernel)
+    loader = FastLoader(samples.RecordedSamples(), batch_size=4, num_workers=2, device="cuda",
+                        collate_fn=CanvasCollate(samples.listed),
+                        gpu_transform=PixelOps(truncate_hsv=True))
+    batches = iter(loader)
+    assert built.wait(timeout=60), "nothing was built before the first batch was asked for"
+    assert len(list(batches)) == 3
+    gpu.run()
+    assert len(compiles) == 1 and compiles[0][0].startswith("fastfeed-copy")
+    assert gpu.syncs_in("MainThread") == []

@@ -76,6 +76,10 @@ class HostCopier:
     def hand_over(self, batch: Any, event: Any) -> None:
         """Make ``batch`` safe to use on the consumer's stream."""
 
+    def prepare(self, transform: Any) -> None:
+        """Run ``transform.prepare(device)`` (work it does once, before its first batch)."""
+        transform.prepare(self.device)
+
 
 class StreamCopier:
     """Copies batches to a CUDA device on a side stream: the CUDA stream rules in one place.
@@ -153,6 +157,12 @@ class StreamCopier:
                 if host.lease is not None:
                     host.lease.fence(event)
         return _out_of_slot(batch, host.lease), event
+
+    def prepare(self, transform: Any) -> None:
+        """Run ``transform.prepare(device)`` (work it does once, before its first batch, such
+        as compiling a kernel) as a copy runs: the device current, on the copy stream."""
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            transform.prepare(self.device)
 
     def hand_over(self, batch: Any, event: Any) -> None:
         consumer = torch.cuda.current_stream(self.device)

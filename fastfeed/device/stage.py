@@ -83,6 +83,12 @@ class _Chain:
     def __call__(self, batch: Any) -> Any:
         return self._then(self._first(batch))
 
+    def prepare(self, device: torch.device) -> None:
+        """Each part's ``prepare``, where it has one (see DeviceIterator)."""
+        for part in (self._first, self._then):
+            if hasattr(part, "prepare"):
+                part.prepare(device)
+
 
 def _chain(first: Callable[[Any], Any] | None, then: Callable[[Any], Any] | None
            ) -> Callable[[Any], Any] | None:
