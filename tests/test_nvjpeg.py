@@ -5,6 +5,7 @@ with the same crops decoded and resized on the CPU, by the same batched resize. 
 
 import io
 import pickle
+import struct
 
 import cuda_model
 import numpy as np
@@ -153,6 +154,22 @@ def test_unusual_jpegs_are_left_to_the_workers():
     assert gpu_decodable(bytes(ids))  # JFIF says YCbCr
     assert not gpu_decodable(rebuilt(bytes(ids), drop=[0xE0]))
     assert gpu_decodable(rebuilt(rgb, drop=[0xE0]))
+
+
+def test_a_jpeg_its_exif_orientation_turns_is_left_to_the_workers():
+    # TorchCodec's GPU decode applies the orientation; Pillow (torchvision's ImageFolder, the
+    # CPU route) does not: the image and the window drawn from its header would turn.
+    for order in "<>":  # little- and big-endian TIFF
+        for orientation, decodable in ((1, True), (6, False), (3, False)):
+            entries = [(0x010F, 2, 4, b"cam\0"),  # another tag first
+                       (0x0112, 3, 1, struct.pack(order + "HH", orientation, 0))]
+            tiff = ((b"II" if order == "<" else b"MM") + struct.pack(order + "HI", 42, 8)
+                    + struct.pack(order + "H", len(entries))
+                    + b"".join(struct.pack(order + "HHI", *entry[:3]) + entry[3]
+                               for entry in entries) + struct.pack(order + "I", 0))
+            file = io.BytesIO()
+            noise("RGB", 0).save(file, "JPEG", exif=b"Exif\0\0" + tiff)
+            assert gpu_decodable(file.getvalue()) == decodable, (order, orientation)
 
 
 def test_a_file_nvjpeg_refuses_is_decoded_on_the_host(tmp_path, gpu, decoder, caplog):

@@ -70,7 +70,8 @@ logger = logging.getLogger(__name__)
 _NVJPEG_FRAMES = (0xC0, 0xC1, 0xC2)
 # Markers without a length field: TEM, the restart markers, SOI and EOI.
 _STANDALONE = {0x01, *range(0xD0, 0xDA)}
-_APP0, _APP14, _SOS = 0xE0, 0xEE, 0xDA
+_APP0, _APP1, _APP14, _SOS = 0xE0, 0xE1, 0xEE, 0xDA
+_EXIF_ORIENTATION = 0x0112
 # The luma sampling factors (H, V) of 4:4:4, 4:2:2, 4:2:0 and 4:4:0, with chroma at 1x1.
 _NVJPEG_SAMPLING = {(1, 1), (2, 1), (2, 2), (1, 2)}
 
@@ -84,6 +85,7 @@ class _Header:
     components: tuple[tuple[int, int, int], ...] = ()  # (id, H, V) each
     jfif: bool = False
     adobe_transform: int | None = None
+    orientation: int = 1  # EXIF's; 1: as stored
 
 
 def _header(data: bytes) -> _Header:
@@ -99,9 +101,12 @@ def _header(data: bytes) -> _Header:
         if marker == _SOS:
             break
         end = i + 2 + int.from_bytes(data[i + 2 : i + 4], "big")
-        body = data[i + 4 : end] if marker in FRAME_MARKERS or marker in (_APP0, _APP14) else b""
+        body = (data[i + 4 : end] if marker in FRAME_MARKERS or marker in (_APP0, _APP1, _APP14)
+                else b"")
         if marker == _APP0 and body.startswith(b"JFIF\0"):
             header.jfif = True
+        elif marker == _APP1 and body.startswith(b"Exif\0\0"):
+            header.orientation = _exif_orientation(body[6:])
         elif marker == _APP14 and body.startswith(b"Adobe") and len(body) >= 12:
             header.adobe_transform = body[11]
         elif marker in FRAME_MARKERS and len(body) >= 6:
@@ -110,6 +115,17 @@ def _header(data: bytes) -> _Header:
                                       for j in range(6, min(len(body) - 1, 6 + 3 * body[5]), 3))
         i = end
     return header
+
+
+def _exif_orientation(tiff: bytes) -> int:
+    """The orientation tag of an EXIF block's first directory (1 where there is none)."""
+    order = "little" if tiff[:2] == b"II" else "big"
+    at = int.from_bytes(tiff[4:8], order)
+    count = int.from_bytes(tiff[at:at + 2], order)
+    for entry in range(at + 2, min(at + 2 + 12 * count, len(tiff) - 11), 12):
+        if int.from_bytes(tiff[entry:entry + 2], order) == _EXIF_ORIENTATION:
+            return int.from_bytes(tiff[entry + 8:entry + 10], order)
+    return 1
 
 
 def _stored_as_rgb(header: _Header) -> bool:
@@ -127,13 +143,15 @@ def gpu_decodable(data: bytes) -> bool:
     with its end-of-image marker, greyscale or YCbCr in 4:4:4, 4:2:2, 4:2:0 or 4:4:0.
 
     Any other sampling (torchvision refuses what nvJPEG calls unknown, failing the batch; the
-    rest are rare) and a JPEG that libjpeg reads as RGB (an Adobe marker's transform 0: no
+    rest are rare), a JPEG that libjpeg reads as RGB (an Adobe marker's transform 0: no
     decoder documents whether nvJPEG honours it, and a mistake would be silent, in the
-    colours) are the CPU's."""
+    colours) and one whose EXIF orientation turns it (TorchCodec's GPU decode applies it, as
+    Pillow and torchvision do not: the image, and the window drawn for it, would turn) are
+    the CPU's."""
     if not jpeg_ends(data):
         return False
     header = _header(data)
-    if header.frame not in _NVJPEG_FRAMES or header.precision != 8:
+    if header.frame not in _NVJPEG_FRAMES or header.precision != 8 or header.orientation > 1:
         return False
     if len(header.components) == 1:
         return True
