@@ -401,3 +401,19 @@ def test_on_a_gpu_the_resize_never_syncs(root):
         images = resize_crops(decoded, batch["geometry"][batch["order"] >= 0],
                               fast.transform.affine)
     assert images.is_cuda and images.dtype == torch.float32
+
+
+def test_torchcodec_and_torchvision_decode_a_batch_alike_on_the_cpu(tmp_path):
+    """The two decoders behind the GPU decode's seam, run on the CPU (libjpeg-turbo both):
+    the same images, so the same batch."""
+    pytest.importorskip("torchcodec.decoders")
+    from fastfeed.vision.encoded_folder import EncodedImageFolder
+    from fastfeed.vision.gpu_decode import DecodeCrops, collate_crops
+    from fastfeed.vision.jpeg_decoders import TorchcodecDecoder, TorchvisionDecoder
+    from fastfeed.vision.synthetic import make_imagefolder
+
+    folder = EncodedImageFolder(make_imagefolder(tmp_path, images=8, classes=2), 32, train=True)
+    crops = collate_crops([folder[i][0] for i in range(8)])
+    batches = [DecodeCrops(decoder=decoder()).images(crops)
+               for decoder in (TorchcodecDecoder, TorchvisionDecoder)]
+    assert torch.equal(*batches)

@@ -315,3 +315,24 @@ def test_the_pixel_kernel_is_built_before_the_first_batch_is_asked_for(monkeypat
     gpu.run()
     assert len(compiles) == 1 and compiles[0][0].startswith("fastfeed-copy")
     assert gpu.syncs_in("MainThread") == []
+
+
+def test_torchcodec_decodes_where_it_imports_and_info_says_which(monkeypatch):
+    from fastfeed.vision import jpeg_decoders
+
+    monkeypatch.delenv("FASTFEED_JPEG_DECODER", raising=False)
+    monkeypatch.setattr(jpeg_decoders.importlib.metadata, "version", lambda name: "9.9")
+    for importable, chosen in ((("torchcodec.decoders", "torchvision.io"), "torchcodec"),
+                               (("torchvision.io",), "torchvision"), ((), None)):
+        monkeypatch.setattr(jpeg_decoders, "_imports", lambda module, ok=importable: module in ok)
+        assert jpeg_decoders.chosen_decoder() == chosen
+        assert jpeg_decoders.describe().startswith(f"{chosen} 9.9 (auto" if chosen else "none")
+    assert isinstance(jpeg_decoders.jpeg_decoder("torchcodec"), jpeg_decoders.TorchcodecDecoder)
+    with pytest.raises(ImportError, match="pip install torchcodec"):
+        jpeg_decoders.jpeg_decoder()
+    monkeypatch.setenv("FASTFEED_JPEG_DECODER", "torchvision")
+    assert jpeg_decoders.describe() == "torchvision 9.9 (FASTFEED_JPEG_DECODER; pip install " \
+        "torchcodec: one decoder per device, no stream of torch's pool)"
+    monkeypatch.setenv("FASTFEED_JPEG_DECODER", "nvimgcodec")
+    with pytest.raises(ValueError, match="unknown JPEG decoder 'nvimgcodec'"):
+        DecodeCrops().decode([np.frombuffer(jpeg(0), np.uint8)], ["0.jpg"], torch.device("cpu"))

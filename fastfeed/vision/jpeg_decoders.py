@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.metadata
 import os
 import re
 import threading
@@ -43,7 +44,7 @@ import torch
 from fastfeed.device.own_streams import own_stream
 
 __all__ = ["DECODERS", "DecoderRefused", "JpegDecoder", "TorchcodecDecoder",
-           "TorchvisionDecoder", "chosen_decoder", "jpeg_decoder"]
+           "TorchvisionDecoder", "chosen_decoder", "describe", "jpeg_decoder"]
 
 
 class DecoderRefused(RuntimeError):
@@ -205,3 +206,19 @@ def jpeg_decoder(name: str | None = None) -> JpegDecoder:
         raise ImportError("fastfeed's GPU JPEG decode needs torchcodec (0.16 or later) or "
                           "torchvision: pip install torchcodec")
     return DECODERS[chosen][1]()
+
+
+def describe() -> str:
+    """The GPU decode's decoder here, for ``fastfeed info``."""
+    try:
+        chosen = chosen_decoder()
+    except ValueError as error:
+        return str(error)
+    if chosen is None:
+        return "none: pip install torchcodec (or torchvision) for the GPU decode"
+    how = ("FASTFEED_JPEG_DECODER" if os.environ.get("FASTFEED_JPEG_DECODER") not in
+           (None, "", "auto") else "auto")
+    version = importlib.metadata.version(chosen)
+    advice = ("" if chosen == "torchcodec" else
+              "; pip install torchcodec: one decoder per device, no stream of torch's pool")
+    return f"{chosen} {version} ({how}{advice})"
