@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -119,7 +119,7 @@ def _header(data: bytes) -> _Header:
 
 def _exif_orientation(tiff: bytes) -> int:
     """The orientation tag of an EXIF block's first directory (1 where there is none)."""
-    order = "little" if tiff[:2] == b"II" else "big"
+    order: Literal["little", "big"] = "little" if tiff[:2] == b"II" else "big"
     at = int.from_bytes(tiff[4:8], order)
     count = int.from_bytes(tiff[at:at + 2], order)
     for entry in range(at + 2, min(at + 2 + 12 * count, len(tiff) - 11), 12):
