@@ -336,3 +336,20 @@ def test_torchcodec_decodes_where_it_imports_and_info_says_which(monkeypatch):
     monkeypatch.setenv("FASTFEED_JPEG_DECODER", "nvimgcodec")
     with pytest.raises(ValueError, match="unknown JPEG decoder 'nvimgcodec'"):
         DecodeCrops().decode([np.frombuffer(jpeg(0), np.uint8)], ["0.jpg"], torch.device("cpu"))
+
+
+def test_fastfeeds_streams_are_made_in_their_devices_context_none_of_torchs_pool(monkeypatch):
+    # cuStreamCreate in the device's primary context, pushed and popped: no cudaSetDevice (the
+    # old way, through the first libcudart mapped, restored the previous device with one),
+    # non-blocking as torch's pooled streams, one per process, device and purpose.
+    from fastfeed.device.own_streams import own_stream
+
+    gpu = cuda_model.install(monkeypatch, cuda_model.Gpu(devices=3))
+    copy = own_stream(torch.device("cuda", 2), "copy")
+    assert own_stream(torch.device("cuda", 2), "copy") is copy
+    assert own_stream(torch.device("cuda", 2), "decode") is not copy
+    assert [flags for _, flags in gpu.driver.created] == [1, 1]  # CU_STREAM_NON_BLOCKING
+    assert torch.cuda.current_device() == 0 and gpu.driver._stack() == []
+    assert gpu.contexts == {2}
+    pooled = {torch.cuda.Stream(device) for device in range(3) for _ in range(32)}
+    assert copy.device_index == 2 and copy not in pooled
