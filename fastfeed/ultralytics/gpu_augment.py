@@ -222,7 +222,8 @@ class PixelOps:
             Default: this process's OpenCV (:func:`opencv_hsv_truncates`).
         fused (bool, optional): ``None`` (default): the kernel on CUDA devices where Triton
             imports and builds it, else the torch ops (with a warning where the kernel failed
-            to build); decided at the first batch, and kept. ``True``: the kernel, on any
+            to build); decided when FastLoader prepares it (:meth:`prepare`) or at the first
+            batch, and kept. ``True``: the kernel, on any
             device (on the CPU under ``TRITON_INTERPRET=1``: tests), or an error. ``False``:
             the torch ops.
     """
