@@ -7,7 +7,9 @@
 # - Wheels for CPython 3.12 on manylinux x86_64 (the GPU machine's Python), without their
 #   dependencies: Ultralytics and ultralytics-thop (the GPU machine has torch, torchvision,
 #   OpenCV, but not these), pytest-timeout (the suite's per-test timeout), and any NAME==VERSION
-#   given. Not polars (a 54 MB wheel): benchmarks/yolo_train_stall.py trains without it.
+#   given. Not polars (a 54 MB wheel): benchmarks/yolo_train_stall.py trains without it. The GPU
+#   decode uses TorchCodec where it imports: give the release built for the GPU machine's torch
+#   (torchcodec==0.17.0 for torch 2.14) to measure it, else torchvision's decoder is measured.
 # - .whl/libjpeg/: libjpeg-turbo's headers and the static libjpeg.a installed with them
 #   (Debian: libjpeg62-turbo-dev). The GPU machine has a libjpeg.so.8 and no headers; setup.py
 #   links this archive (FASTFEED_LIBJPEG), so fastfeed._jpeg meets no other libjpeg there.

@@ -7,6 +7,9 @@
 # Stages, in the order of the default run:
 #   tests       the GPU-marked tests
 #   pinned      the ring slots of a CUDA loader are page-locked (cudaPointerGetAttributes)
+#   gpu_paths   benchmarks/gpu_paths.py: what the CPU model of CUDA stands in for: peak device
+#               memory per GPU-decode batch of 256, no context on a GPU the loader does not use,
+#               the first batch's wait with a cold Triton cache, out of memory in the decoder
 #   train       benchmarks/torchvision_train.py: a ResNet-50 training loop fed by each feed
 #   suite       the whole main suite under xdist, a per-test timeout, failures listed as they come
 #   yolo_ops    benchmarks/ultralytics_pipeline.py --ops-device cuda: augment_device's pixel ops
@@ -41,7 +44,7 @@ out="${OUT:-benchmarks/out/gpu_suite}"
 logs="${GPU_SUITE_LOGS:-/tmp/fastfeed-gpu-suite}"
 cores=$(nproc)
 if [ -n "$plumbing" ]; then device=cpu; yolo_device=cpu; else device=cuda; yolo_device=0; fi
-stages=("${@:-tests pinned train pixels suite yolo_ops yolo_train yolo_long fixed_step}")
+stages=("${@:-tests pinned gpu_paths train pixels suite yolo_ops yolo_train yolo_long fixed_step}")
 stages=(${stages[*]})
 rm -rf "$logs" && mkdir -p "$logs" "$out"
 : >"$logs/stages.tsv"
@@ -144,10 +147,12 @@ pytest_args=(-p no:cacheprovider -rf)
 has pytest_timeout && pytest_args+=(--timeout 120)
 if [ -n "$plumbing" ]; then
     train_size=(--model tiny --images 64 --warmup 1 --steps 3)
+    paths_size=(--batch 16 --batches 2)
     yolo_size=(--images 16 --repeats 1)
     step_size=(--batches 4 --batch-size 2 --workers 2 --step-ms 20 --repeats 1 --epochs 1)
 else
     train_size=(--images 2048 --warmup 8 --steps 30)
+    paths_size=(--batch 256 --batches 3)
     yolo_size=(--images 256 --repeats 3)
     # yolo_train's loop (batch 16, 8 workers, a 56 ms step as yolov8n's on the H100), real
     # pinned copies: what the training thread waits for, without the trainer
@@ -181,6 +186,10 @@ assert checked, "the loader yielded nothing"
 print(f"page-locked: {checked} slot readings, all pinned")
 PY
         ;;
+        gpu_paths)
+            needs gpu_paths benchmarks/gpu_paths.py --part \
+                && stage gpu_paths 90 python3 benchmarks/gpu_paths.py --device "$device" \
+                    "${paths_size[@]}" --json "$logs/gpu_paths.json" ;;
         train)
             needs train benchmarks/torchvision_train.py --feeds --warmup --steps --json \
                 && stage torchvision_train 120 python3 benchmarks/torchvision_train.py \
@@ -245,7 +254,7 @@ PY
                     --json "$logs/doctor_resnet50.json" --out "$logs/doctor_resnet50" \
                     tests/doctor_scripts/train_classifier.py --arch resnet50 --device "$device" \
                     --generate 4096 --batch-size 64 --workers 8 --epochs 1 ;;
-        *) note "unknown stage $stage (tests pinned train pixels suite yolo_ops yolo_train" \
+        *) note "unknown stage $stage (tests pinned gpu_paths train pixels suite yolo_ops yolo_train" \
                "yolo_long fixed_step dali overhead images doctor)"
            status=2 ;;
     esac

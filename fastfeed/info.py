@@ -17,6 +17,7 @@ from fastfeed._imports import importable
 from fastfeed.autotune import available_cpus
 from fastfeed.nvml import nvml_status
 from fastfeed.slots import slots_supported
+from fastfeed.vision.jpeg_decoders import describe as describe_gpu_decoder
 from fastfeed.vision.libjpeg import describe as describe_window_decoder
 
 __all__ = ["collect", "format_report", "pillow_is_simd"]
@@ -102,6 +103,7 @@ def collect() -> dict[str, str]:
         else f"unavailable ({nvml.reason})",
         "DALI": _dali(),
         "torchvision": _client("torchvision", "fastfeed.vision.accelerate needs it"),
+        "GPU JPEG decoder": describe_gpu_decoder(),
         "Ultralytics": _client("ultralytics", "pip install 'fastfeed[ultralytics]'"),
         "CPUs (affinity)": str(available_cpus()),
         "/dev/shm": _shm(),

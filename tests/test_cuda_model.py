@@ -2,9 +2,11 @@
 forked meanwhile gets torch's own ``torch.cuda`` back, as on a machine with a real GPU, where
 the model's answers would break it."""
 
+import contextlib
 import multiprocessing
 
 import cuda_model
+import pytest
 import torch
 from sample_datasets import TensorDataset
 
@@ -56,3 +58,68 @@ def test_workers_seed_torch_as_on_a_machine_with_cuda(monkeypatch):
     dataset = TensorDataset(n=16, shape=(3,))
     loader = FastLoader(dataset, batch_size=4, num_workers=2, device="cuda")
     assert len(list(loader)) == 4
+
+
+# -- the model's rules: each can show what breaks it -------------------------------------------
+
+def test_leaving_a_stream_block_on_a_new_thread_makes_a_context_on_device_0(monkeypatch):
+    import threading
+
+    gpu = cuda_model.install(monkeypatch, cuda_model.Gpu(devices=2))
+    torch.cuda.set_device(1)
+    stream = torch.cuda.Stream()  # of device 1
+
+    def helper(guarded):
+        guard = torch.cuda.device(1) if guarded else contextlib.nullcontext()
+        with guard, torch.cuda.stream(stream):
+            torch.zeros(4, device="cuda")
+        seen.append(torch.cuda.current_device())
+
+    seen = []
+    for guarded in (True, False):
+        thread = threading.Thread(target=helper, args=(guarded,))
+        thread.start()
+        thread.join()
+        assert gpu.contexts == ({1} if guarded else {0, 1})
+    assert seen == [0, 0] and torch.cuda.current_device() == 1
+
+
+def test_the_allocator_rounds_carves_caches_per_stream_and_flushes(monkeypatch):
+    gpu = cuda_model.install(monkeypatch, cuda_model.Gpu(64 << 20))
+    allocator = gpu.allocators[0]
+    side = torch.cuda.Stream()
+    small = torch.empty(1000, dtype=torch.uint8, device="cuda")
+    assert gpu.block_of(small).nbytes == 1024 and allocator.reserved == 2 << 20
+    large = torch.empty(3 << 20, dtype=torch.uint8, device="cuda")
+    assert allocator.reserved == (2 + 20) << 20  # a 20 MiB segment for a 3 MiB request
+    address = large.data_ptr()
+    del large
+    again = torch.empty(2 << 20, dtype=torch.uint8, device="cuda")  # the same stream: at once
+    assert again.data_ptr() == address
+    with torch.cuda.stream(side):  # another stream: not from the default stream's cache
+        other = torch.empty(2 << 20, dtype=torch.uint8, device="cuda")
+    assert other.data_ptr() != address and allocator.reserved == (2 + 20 + 20) << 20
+    again.record_stream(side)
+    del again
+    reused = torch.empty(2 << 20, dtype=torch.uint8, device="cuda")
+    assert reused.data_ptr() != address  # side has not passed the point it was at
+    del reused, other
+    huge = torch.empty(40 << 20, dtype=torch.uint8, device="cuda")  # the flush frees the cache
+    assert allocator.flushes == 1 and gpu.syncs  # waiting for side's use
+    with pytest.raises(torch.OutOfMemoryError, match=r"CUDA out of memory\. Tried to allocate "
+                                                      r"40\.00 MiB\. GPU 0 has a total capacity"):
+        torch.empty(40 << 20, dtype=torch.uint8, device="cuda")
+    assert allocator.memory.driver_malloc(30 << 20) is None  # a library shares what is left
+    del huge, small
+
+
+def test_torchs_stream_pool_is_per_device_and_round_robin(monkeypatch):
+    gpu = cuda_model.install(monkeypatch, cuda_model.Gpu(devices=2))
+    first = torch.cuda.Stream()
+    for _ in range(cuda_model.POOL_SIZE - 1):
+        torch.cuda.Stream()
+    assert torch.cuda.Stream() is first and first.device_index == 0
+    with torch.cuda.device(1):
+        assert torch.cuda.Stream().device_index == 1
+    assert torch.cuda.Stream(priority=-1) is not first
+    assert gpu.current_stream(1) is gpu.default_stream(1)

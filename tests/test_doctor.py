@@ -161,7 +161,7 @@ class FakeEvent:
     def __init__(self, gpu):
         self.gpu, self.at = gpu, None
 
-    def record(self):
+    def record(self, stream=None):
         self.at = max(self.gpu.busy_until, self.gpu.now)  # after the work queued before it
 
     def query(self):
@@ -182,7 +182,7 @@ class FakeGpu:
 
 def test_gpu_waits_count_only_the_time_the_gpu_had_nothing_queued():
     gpu = FakeGpu()
-    waits = GpuWaits(active=lambda: True, event=lambda: FakeEvent(gpu))
+    waits = GpuWaits(active=lambda: True, event=lambda: FakeEvent(gpu), stream=lambda: None)
     gpu.busy_until = 0.5  # work queued until 0.5 s; the host asks for a batch at 0.1 s
     gpu.now = 0.1
     mark = waits.request()

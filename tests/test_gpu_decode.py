@@ -141,7 +141,7 @@ def kernels(images, geometry, affine=UINT8):
 
 
 @pytest.mark.parametrize("affine", [UINT8, PixelAffine(torch.float32, (0.5,) * 3, (1.0,) * 3)])
-def test_the_kernels_of_a_batch_do_not_grow_with_its_size(affine):
+def test_the_kernels_of_a_batch_do_not_grow_with_its_size(affine, monkeypatch):
     # A few kernels per group of crops of similar width and filter length, not per crop.
     one_group = [random_images(batch, seed=batch, smallest=24) for batch in (2, 8)]
     counts = [kernels(images, np.stack([crop_geometry((1 + i, 1, 20, 15), (8, 6), flip=i % 2)
@@ -151,13 +151,26 @@ def test_the_kernels_of_a_batch_do_not_grow_with_its_size(affine):
     assert sum(counts[1].values()) <= 17, counts[1]
     two_groups = [kernels(*two_sizes(batch), affine) for batch in (4, 16)]
     assert two_groups[0] == two_groups[1], two_groups
-    # However many classes of crops, at most _MAX_GROUPS groups: a bound whatever the batch.
-    bound = resample._MAX_GROUPS * sum(two_groups[0].values()) / 2
+    # However many classes of crops, at most _MAX_GROUPS groups: a bound whatever the batch,
+    # but for the pieces a group is cut into where its float buffers would pass CHUNK_BYTES
+    # (crops up to 27,000 pixels wide here): a few kernels a piece, and a piece as large as
+    # the memory bound allows.
+    per_piece = sum(two_groups[0].values()) / 2
     for batch in (32, 64):
         images, geometry = many_sizes(batch)
-        assert len(resample._batch_tables(geometry, np.array([i.shape[1:] for i in images]))[0]
-                   ) == resample._MAX_GROUPS
-        assert sum(kernels(images, geometry, affine).values()) <= bound
+        sizes = np.array([i.shape[1:] for i in images])
+        with monkeypatch.context() as unbounded:
+            unbounded.setattr(resample, "CHUNK_BYTES", 2**62)
+            assert len(resample._batch_tables(geometry, sizes)[0]) == resample._MAX_GROUPS
+            assert sum(kernels(images, geometry, affine).values()) <= \
+                resample._MAX_GROUPS * per_piece
+        pieces, tables = resample._batch_tables(geometry, sizes)
+        for piece in tables:  # its table (a row per segment), two passes of 3x6 rows, 8x6 crops
+            floats = 4 * (len(piece.arrays[0]) * piece.width
+                          + piece.size * 3 * 6 * (2 * piece.width + 8))
+            assert piece.size == 1 or floats <= resample.CHUNK_BYTES
+        assert len(pieces) > resample._MAX_GROUPS
+        assert sum(kernels(images, geometry, affine).values()) <= len(pieces) * per_piece
 
 
 @pytest.fixture

@@ -6,6 +6,7 @@ import torch
 
 from fastfeed._imports import importable
 from fastfeed.info import collect
+from fastfeed.vision import jpeg_decoders
 from fastfeed.vision.libjpeg import describe
 
 
@@ -21,6 +22,7 @@ def test_info_reports_what_this_machine_has():
     for key, module in (("DALI", "nvidia.dali"), ("torchvision", "torchvision")):
         assert printed[key].startswith("not installed") != importable(module), key
     assert printed["JPEG window decoder"] == describe()
+    assert printed["GPU JPEG decoder"] == jpeg_decoders.describe()
     assert printed["CPUs (affinity)"] == str(len(os.sched_getaffinity(0)))
     assert printed["shared-memory slots"] == "memfd"  # Linux
     for key in ("fastfeed", "numpy", "Pillow", "YOLO warp kernel", "YOLO HSV kernel",

@@ -5,6 +5,7 @@ with the same crops decoded and resized on the CPU, by the same batched resize. 
 
 import io
 import pickle
+import struct
 
 import cuda_model
 import numpy as np
@@ -17,14 +18,13 @@ from PIL import Image
 
 from fastfeed import FastLoader
 from fastfeed import transforms as T
-from fastfeed.slots import page_lock
+from fastfeed.device.own_streams import own_stream
 from fastfeed.tree import map_tensors
 from fastfeed.vision import DecodeError, ImageFolder, image_loader
 from fastfeed.vision.encoded_folder import EncodedImageFolder, nvjpeg_transform
 from fastfeed.vision.gpu_decode import (
     DecodeCrops,
     collate_crops,
-    decode_stream,
     encoded_collate,
     gpu_decodable,
 )
@@ -156,6 +156,22 @@ def test_unusual_jpegs_are_left_to_the_workers():
     assert gpu_decodable(rebuilt(rgb, drop=[0xE0]))
 
 
+def test_a_jpeg_its_exif_orientation_turns_is_left_to_the_workers():
+    # TorchCodec's GPU decode applies the orientation; Pillow (torchvision's ImageFolder, the
+    # CPU route) does not: the image and the window drawn from its header would turn.
+    for order in "<>":  # little- and big-endian TIFF
+        for orientation, decodable in ((1, True), (6, False), (3, False)):
+            entries = [(0x010F, 2, 4, b"cam\0"),  # another tag first
+                       (0x0112, 3, 1, struct.pack(order + "HH", orientation, 0))]
+            tiff = ((b"II" if order == "<" else b"MM") + struct.pack(order + "HI", 42, 8)
+                    + struct.pack(order + "H", len(entries))
+                    + b"".join(struct.pack(order + "HHI", *entry[:3]) + entry[3]
+                               for entry in entries) + struct.pack(order + "I", 0))
+            file = io.BytesIO()
+            noise("RGB", 0).save(file, "JPEG", exif=b"Exif\0\0" + tiff)
+            assert gpu_decodable(file.getvalue()) == decodable, (order, orientation)
+
+
 def test_a_file_nvjpeg_refuses_is_decoded_on_the_host(tmp_path, gpu, decoder, caplog):
     # torchvision fails the whole call for one file nvJPEG refuses: the batch is decoded file by
     # file, and the refused file on the host, in its place.
@@ -205,14 +221,14 @@ def to_device(tensor):
 
 
 def test_decoding_a_batch_reads_no_device_value_back(tmp_path, gpu, decoder):
-    # The only host waits are the decoder's own, on its private stream.
+    # The only host waits are the decoder's own, on its stream (one of torch's pool).
     root = make_imagefolder(tmp_path, images=6, classes=2)
     folder = EncodedImageFolder(root, 32, train=True)
     batch = encoded_collate([folder[i] for i in range(6)])
     on_device = map_tensors(to_device, batch)
     images, targets = DecodeCrops()(on_device)
     assert tuple(images.shape) == (6, 3, 32, 32) and images.dtype == torch.uint8
-    assert {what for what, _ in gpu.syncs} == {"nvjpeg.synchronize()"}
+    assert {what for what, _ in gpu.syncs} == {f"{decoder.stream.name}.synchronize()"}
     assert decoder.calls == 1, "one decode call a batch"
     gpu.run()
     assert torch.equal(gpu.read(targets), batch[1])
@@ -290,48 +306,8 @@ def test_one_decode_stream_per_process_whatever_the_epochs(tmp_path, gpu, decode
     for _ in range(3):
         decode = pickle.loads(pickle.dumps(DecodeCrops()))
         decode(map_tensors(to_device, batch))
-    assert len(gpu.runtime.created) == 1
-    assert decoder.streams == 3 * gpu.runtime.created
-
-
-class MappedRuntime:
-    """A CUDA runtime library as ctypes maps it: its current device, the streams it made."""
-
-    def __init__(self, refuse=False):
-        self.device, self.made, self.read_back, self.refuse = 0, [], 0, refuse
-        self.cudaGetErrorString = lambda error: b"out of memory"
-
-    def cudaGetDevice(self, device):
-        device._obj.value = self.device
-        return 0
-
-    def cudaSetDevice(self, index):
-        self.device = index
-        return 0
-
-    def cudaStreamCreateWithFlags(self, stream, flags):
-        if self.refuse:
-            return 2
-        self.made.append((self.device, flags))
-        stream._obj.value = 0x5000 + len(self.made)
-        return 0
-
-    def cudaGetLastError(self):
-        self.read_back += 1
-
-
-def test_the_decode_stream_is_made_non_blocking_on_its_device(monkeypatch):
-    # torch binds cudaStreamCreate only, whose stream would wait for the default stream: a
-    # mapped runtime makes it, on the device asked for, its own current device restored.
-    runtime = MappedRuntime()
-    monkeypatch.setattr(page_lock, "_mapped_runtimes", lambda: [runtime])
-    assert page_lock.TorchCudaRuntime(cudart=object()).stream_create(1) == 0x5001
-    assert runtime.made == [(1, 0x1)] and runtime.device == 0  # cudaStreamNonBlocking
-    refusing = MappedRuntime(refuse=True)
-    monkeypatch.setattr(page_lock, "_mapped_runtimes", lambda: [refusing])
-    with pytest.raises(RuntimeError, match="out of memory"):
-        page_lock.TorchCudaRuntime(cudart=object()).stream_create(1)
-    assert refusing.read_back == 1 and refusing.device == 0
+    assert len(gpu.driver.created) == 1
+    assert decoder.streams == 3 * [stream for stream, _ in gpu.driver.created]
 
 
 def jpeg_bytes():
@@ -344,8 +320,8 @@ def jpeg_bytes():
 
 @pytest.mark.gpu
 def test_on_a_gpu_the_decode_stream_is_none_of_torchs():
-    stream = decode_stream(torch.device("cuda", 0))
-    assert decode_stream(torch.device("cuda")) is stream
+    stream = own_stream(torch.device("cuda", 0), "decode")
+    assert own_stream(torch.device("cuda"), "decode") is stream
     torchs = {torch.cuda.Stream().cuda_stream for _ in range(64)}
     torchs |= {torch.cuda.Stream(priority=-1).cuda_stream for _ in range(64)}
     assert stream.cuda_stream not in torchs | {torch.cuda.default_stream().cuda_stream}

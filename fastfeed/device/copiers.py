@@ -76,6 +76,10 @@ class HostCopier:
     def hand_over(self, batch: Any, event: Any) -> None:
         """Make ``batch`` safe to use on the consumer's stream."""
 
+    def prepare(self, transform: Any) -> None:
+        """Run ``transform.prepare(device)`` (work it does once, before its first batch)."""
+        transform.prepare(self.device)
+
 
 class StreamCopier:
     """Copies batches to a CUDA device on a side stream: the CUDA stream rules in one place.
@@ -87,7 +91,8 @@ class StreamCopier:
       ``deep``). The codec records every view it made of the batch's slot; one the walk did
       not reach would go to the user as a view of a page-locked slot, which a copy of theirs
       could read after the slot is reused: that batch is refused (``TypeError``).
-    * The copy and ``gpu_transform`` run on ``stream``; an event recorded after them, however
+    * The copy and ``gpu_transform`` run on ``stream``, with the loader's device current (a
+      rank makes no context on a GPU it does not use); an event recorded after them, however
       they end, fences the batch's pool slot (its lease): the slot is not reused before the
       event completes, whatever happens to the host batch (docs/design.md, invariant 2).
     * Numpy leaves stay on the host. The transform reads them in the slot (nvjpeg's encoded
@@ -132,19 +137,32 @@ class StreamCopier:
             return tensor
 
         event = torch.cuda.Event()
-        try:
-            with torch.cuda.stream(self.stream):
-                batch = _timed(telemetry, "transfer", map_tensors, move, host.batch, deep=True)
-                _check_reached(host, moved)
-                if transform is not None:
-                    batch = _timed(telemetry, "gpu_transform", transform, batch)
-        finally:
-            # Once a copy is queued, however this ends (a transform that raises, a batch
-            # refused), the slot waits for the stream to have read it.
-            event.record(self.stream)
-            if host.lease is not None:
-                host.lease.fence(event)
+        # The device first: leaving torch.cuda.stream() alone would restore this thread's
+        # previous stream with set_stream, which makes its device current (cudaSetDevice) and
+        # on CUDA 12 creates its context: device 0's, from a helper thread (every new thread
+        # starts there) or a script that never set its device. torch.cuda.device() restores
+        # the previous device only where it has a context.
+        with torch.cuda.device(self.device):
+            try:
+                with torch.cuda.stream(self.stream):
+                    batch = _timed(telemetry, "transfer", map_tensors, move, host.batch,
+                                   deep=True)
+                    _check_reached(host, moved)
+                    if transform is not None:
+                        batch = _timed(telemetry, "gpu_transform", transform, batch)
+            finally:
+                # Once a copy is queued, however this ends (a transform that raises, a batch
+                # refused), the slot waits for the stream to have read it.
+                event.record(self.stream)
+                if host.lease is not None:
+                    host.lease.fence(event)
         return _out_of_slot(batch, host.lease), event
+
+    def prepare(self, transform: Any) -> None:
+        """Run ``transform.prepare(device)`` (work it does once, before its first batch, such
+        as compiling a kernel) as a copy runs: the device current, on the copy stream."""
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            transform.prepare(self.device)
 
     def hand_over(self, batch: Any, event: Any) -> None:
         consumer = torch.cuda.current_stream(self.device)

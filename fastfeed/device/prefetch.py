@@ -73,6 +73,8 @@ class DeviceIterator(AheadOfConsumer):
     A ``transform`` whose ``blocks_host`` attribute is true (it waits for the GPU inside, as
     torchvision's JPEG decoder does) runs with its copy in a helper thread, so that the
     training thread goes on queueing its own work meanwhile; batches still come in order.
+    Its ``prepare(device)``, if it has one (a kernel to compile), runs there first, as soon as
+    the iterator is made: while the workers make the first batches, not in the first wait.
     """
 
     def __init__(
@@ -90,6 +92,10 @@ class DeviceIterator(AheadOfConsumer):
         self._transform = transform
         self._helper = (ThreadPoolExecutor(1, thread_name_prefix="fastfeed-copy")
                         if getattr(transform, "blocks_host", False) else None)
+        # Raised, if it fails, with the first batch.
+        self._prepared: Future | None = (
+            self._helper.submit(copier.prepare, transform)
+            if self._helper is not None and hasattr(transform, "prepare") else None)
         # ((device batch, event) or its Future, where the host stood after handing it over)
         self._ready: deque[tuple[Any, Any]] = deque()
         self._exhausted = False
@@ -134,6 +140,9 @@ class DeviceIterator(AheadOfConsumer):
             self._delivered_at = self._host.position()
             raise StopIteration
         copied, self._delivered_at = self._ready.popleft()
+        if self._prepared is not None:
+            prepared, self._prepared = self._prepared, None
+            prepared.result()
         batch, event = copied.result() if isinstance(copied, Future) else copied
         if event is not None:
             self._copier.hand_over(batch, event)

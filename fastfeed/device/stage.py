@@ -12,7 +12,8 @@ which :meth:`DeviceStage.wrap` builds:
 * ``device="cpu"``: a :class:`~fastfeed.device.prefetch.DeviceIterator` with a
   :class:`~fastfeed.device.copiers.HostCopier`;
 * ``device="cuda"``: the same with a :class:`~fastfeed.device.copiers.StreamCopier` on the
-  loader's copy stream (one per loader), its slots page-locked for that GPU.
+  process's copy stream for that GPU (:mod:`~fastfeed.device.own_streams`: none of torch's
+  pool, which libraries share), its slots page-locked for that GPU.
 
 The transforms run on the device in order: the tail of what the workers make (a dataset's
 batch tail, as the plan placed it), then ``gpu_transform``, seeded from the iterator's base
@@ -29,6 +30,7 @@ from typing import Any
 import torch
 
 from fastfeed.device.copiers import Copier, HostCopier, StreamCopier
+from fastfeed.device.own_streams import own_stream
 from fastfeed.device.pinned import PinHelper, PinnedIterator
 from fastfeed.device.prefetch import DeviceIterator, HostIterator, TorchIteratorHost
 from fastfeed.device.resolve import resolve_device
@@ -102,6 +104,12 @@ class _Chain:
     def __call__(self, batch: Any) -> Any:
         return self._then(self._first(batch))
 
+    def prepare(self, device: torch.device) -> None:
+        """Each part's ``prepare``, where it has one (see DeviceIterator)."""
+        for part in (self._first, self._then):
+            if hasattr(part, "prepare"):
+                part.prepare(device)
+
 
 def _chain(first: Callable[[Any], Any] | None, then: Callable[[Any], Any] | None
            ) -> Callable[[Any], Any] | None:
@@ -121,7 +129,7 @@ class DeviceStage:
     def __init__(self, telemetry: Telemetry) -> None:
         self._telemetry = telemetry
         self._target: torch.device | None = None  # the device, resolved at first use
-        self.copy_stream: Any = None  # one per loader, created on first use
+        self.copy_stream: Any = None  # the process's for the device, taken on first use
         self._gpu_sampler: GpuSampler | None = None
         self._pin_helper: PinHelper | None = None  # the last pinned iterator's
 
@@ -199,8 +207,8 @@ class DeviceStage:
             gpu_transform.seed(source.base_seed)
         copier: Copier = HostCopier(target)
         if target.type == "cuda":
-            if self.copy_stream is None:
-                self.copy_stream = torch.cuda.Stream(target)
+            if self.copy_stream is None:  # the process's, never one of torch's pool
+                self.copy_stream = own_stream(target, "copy")
             copier = StreamCopier(target, self.copy_stream)
         return DeviceIterator(source, copier, options.prefetch_depth, plan.transform,
                               self._telemetry, options.auto_collation)

@@ -7,6 +7,11 @@ everything queued before it; one recorded when the batch arrives completes at on
 is by then idle. The time between the two, on the GPU's clock, is the time the GPU had nothing
 to do because the batch was late: zero when the host's wait was hidden by queued work.
 
+The events are recorded on the current stream of the GPU the script trains on, as FastLoader
+resolves a bare ``"cuda"`` (the script's ``set_device``, else ``LOCAL_RANK``'s GPU): not on the
+thread's current device, which is GPU 0 in a DDP script that never sets it (timing GPU 0, and
+making a context there from every rank).
+
 Events are read when they have completed (``query``), never by waiting on them in the hot path;
 :meth:`GpuWaits.finish` waits for the last few at the end of the window. Nothing here touches
 CUDA unless the script has initialised it: the doctor must not create a CUDA context before
@@ -21,13 +26,15 @@ from typing import Any, Protocol
 
 import torch
 
+from fastfeed.device import resolve_device
+
 __all__ = ["Event", "GpuWaits"]
 
 
 class Event(Protocol):
     """The part of ``torch.cuda.Event`` used here (tests pass a stand-in)."""
 
-    def record(self) -> None: ...
+    def record(self, stream: Any = None) -> None: ...
 
     def query(self) -> bool: ...
 
@@ -44,17 +51,26 @@ def _timing_event() -> Event:
     return torch.cuda.Event(enable_timing=True)
 
 
+def _training_stream() -> Any:
+    """The current stream of the GPU the script trains on (see the module's notes)."""
+    return torch.cuda.current_stream(resolve_device("cuda"))
+
+
 class GpuWaits:
     """Per batch index, the seconds the GPU was idle waiting for that batch.
 
     Args:
         active: whether to record events now (default: the script has initialised CUDA).
         event: makes a timing event (default: ``torch.cuda.Event(enable_timing=True)``).
+        stream: the stream the events are recorded on, asked once (default: the current
+            stream of the GPU the script trains on).
     """
 
     def __init__(self, active: Callable[[], bool] = _cuda_in_use,
-                 event: Callable[[], Event] = _timing_event) -> None:
-        self._active, self._event = active, event
+                 event: Callable[[], Event] = _timing_event,
+                 stream: Callable[[], Any] = _training_stream) -> None:
+        self._active, self._event, self._stream_of = active, event, stream
+        self._stream: Any = None
         self._pending: deque[tuple[int, Event, Event]] = deque()
         self.idle_s: dict[int, float] = {}
 
@@ -62,8 +78,10 @@ class GpuWaits:
         """The script asks for a batch: mark the stream, if CUDA is in use."""
         if not self._active():
             return None
+        if self._stream is None:
+            self._stream = self._stream_of()
         mark = self._event()
-        mark.record()
+        mark.record(self._stream)
         return mark
 
     def deliver(self, index: int, requested: Event | None) -> None:
@@ -71,7 +89,7 @@ class GpuWaits:
         if requested is None:
             return
         arrived = self._event()
-        arrived.record()
+        arrived.record(self._stream)
         self._pending.append((index, requested, arrived))
         while self._pending and self._pending[0][2].query():
             self._read(*self._pending.popleft())

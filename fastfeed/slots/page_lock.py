@@ -19,9 +19,6 @@ Three CUDA rules live here:
 * A slot that could not be registered is reported once; copies from it are then staged
   through torch's pinned pool (:func:`fastfeed.device.pinned_source`), never silently
   synchronous.
-
-The same runtime bindings make the one CUDA stream fastfeed creates outside torch's pool, the
-GPU decode's (:meth:`TorchCudaRuntime.stream_create`).
 """
 
 from __future__ import annotations
@@ -97,48 +94,10 @@ class TorchCudaRuntime:
             runtime.cudaGetLastError()
         return bool(holders)
 
-    def stream_create(self, index: int) -> int:
-        """A new non-blocking stream of device ``index`` (``cudaStreamCreateWithFlags``), not
-        one of torch's pool; nothing here destroys it.
-
-        torch binds only ``cudaStreamCreate``, whose stream waits for the legacy default
-        stream (torch's default stream) and makes it wait. A mapped runtime makes the stream,
-        its own current device set to ``index`` for the call and restored after (a stream is
-        the driver's: any runtime of the process may use it).
-
-        Raises:
-            RuntimeError: no CUDA runtime library is mapped, or CUDA refused.
-        """
-        runtimes = self._mapped()
-        if not runtimes:
-            raise RuntimeError("cannot create a CUDA stream: no CUDA runtime library is mapped "
-                               "into this process (a statically linked runtime?)")
-        runtime = runtimes[0]
-        previous, stream = ctypes.c_int(), ctypes.c_void_p()
-        _check(runtime, runtime.cudaGetDevice(ctypes.byref(previous)))
-        _check(runtime, runtime.cudaSetDevice(index))
-        try:
-            _check(runtime, runtime.cudaStreamCreateWithFlags(ctypes.byref(stream),
-                                                              _STREAM_NON_BLOCKING))
-        finally:
-            runtime.cudaSetDevice(previous.value)
-        return int(stream.value or 0)
-
     def _mapped(self) -> list[Any]:
         if self._runtimes is None:
             self._runtimes = _mapped_runtimes()
         return self._runtimes
-
-
-_STREAM_NON_BLOCKING = 0x1  # cudaStreamNonBlocking
-
-
-def _check(runtime: Any, error: int) -> None:
-    """Raise a failed call's error, read back where it was left (see the module's notes)."""
-    if error != 0:
-        runtime.cudaGetLastError()
-        runtime.cudaGetErrorString.restype = ctypes.c_char_p
-        raise RuntimeError(f"CUDA error {error}: {runtime.cudaGetErrorString(error).decode()}")
 
 
 @dataclass

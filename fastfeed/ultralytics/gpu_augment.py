@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fastfeed.device import pinned_source
 from fastfeed.ultralytics.format import draws_reverse
 from fastfeed.ultralytics.hsv import draw_lut
 from fastfeed.ultralytics.pixel_ops import hsv_lookup, source_region, warp_regions
@@ -221,7 +222,8 @@ class PixelOps:
             Default: this process's OpenCV (:func:`opencv_hsv_truncates`).
         fused (bool, optional): ``None`` (default): the kernel on CUDA devices where Triton
             imports and builds it, else the torch ops (with a warning where the kernel failed
-            to build); decided at the first batch, and kept. ``True``: the kernel, on any
+            to build); decided when FastLoader prepares it (:meth:`prepare`) or at the first
+            batch, and kept. ``True``: the kernel, on any
             device (on the CPU under ``TRITON_INTERPRET=1``: tests), or an error. ``False``:
             the torch ops.
     """
@@ -264,6 +266,24 @@ class PixelOps:
         chw = images.permute(0, 3, 1, 2)
         batch["img"] = _flipped_where(chw, params[:, REVERSE_FLAG], 1).contiguous()
         return batch
+
+    def prepare(self, device: torch.device) -> None:
+        """Build the fused kernel for ``device`` now, where it will be used. FastLoader runs
+        this on its helper thread as the iterator is made, while the workers make the first
+        batches: Triton's first compile (seconds with a cold cache, on every rank) is then not
+        in the training thread's first wait. One batch of one 32×32 image: the argument types
+        and the specialisation of Ultralytics' batches (sizes multiples of 32)."""
+        if device.type != "cuda" or self._kernel(device) is None:
+            return  # no compile to move: the torch ops, or Triton's interpreter (tests)
+        side = 32
+        params = torch.zeros((1, PARAM_COLUMNS), dtype=torch.float64)
+        params[0, 0] = params[0, 4] = 1.0  # the identity warp
+        host = {"img": torch.zeros((side * side, 3), dtype=torch.uint8), PARAMS_KEY: params,
+                LUT_KEY: torch.zeros((1, 3, 256), dtype=torch.uint8),
+                REGION_KEY: torch.tensor([[0, side, side, 0, 0]])}
+        batch: dict = {key: pinned_source(value).to(device, non_blocking=True)
+                       for key, value in host.items()}
+        self({**batch, SIZE_KEY: (side, side)})
 
     def _kernel(self, device: torch.device) -> Callable[..., torch.Tensor] | None:
         """The fused kernel's launcher where this call should use it, else ``None``."""

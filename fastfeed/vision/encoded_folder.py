@@ -3,11 +3,13 @@
 Workers parse only the JPEG header (to draw the crop box from the image size) and hand over
 the encoded bytes and the box (:class:`~fastfeed.vision.gpu_decode.EncodedCrop`); on the copy
 stream, :class:`~fastfeed.vision.gpu_decode.DecodeCrops` decodes the whole batch with
-``torchvision.io.decode_jpeg(device="cuda")`` and crops, resizes and flips it in about ten
-kernels per group of similar crops (:mod:`fastfeed.vision.gpu_decode` has the stream rules).
-torchvision is imported only there, and only when this backend is used. A file nvJPEG cannot
+TorchCodec's or torchvision's ``decode_jpeg(device="cuda")``
+(:mod:`fastfeed.vision.jpeg_decoders`) and crops, resizes and flips it in about ten kernels per
+piece of similar crops (:mod:`fastfeed.vision.gpu_decode` has the stream rules). The decoder's
+library is imported only there, and only when this backend is used. A file nvJPEG cannot
 take (not a JPEG, though named ``.JPEG``: ImageNet has a PNG; a CMYK, 12-bit,
-arithmetic-coded, truncated or unusually subsampled JPEG) is decoded by its worker on the CPU,
+arithmetic-coded, truncated, unusually subsampled or EXIF-rotated JPEG) is decoded by its
+worker on the CPU,
 as :class:`~fastfeed.vision.ImageFolder` decodes it, so ``on_error`` applies to it alike. A
 file that passes those checks and that nvJPEG still refuses is decoded on the host once its
 batch reaches the GPU; ``on_error`` cannot apply there (the batch is collated): one that the

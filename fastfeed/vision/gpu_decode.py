@@ -7,59 +7,52 @@ cannot take (see :func:`gpu_decodable`: ImageNet has a PNG named ``.JPEG`` and C
 the crop decoded by the worker on the CPU. :func:`collate_crops` makes one batch of them (the
 bytes as numpy arrays, which device prefetch leaves on the host; the geometry as one array of
 host numbers). On the copy stream, :class:`DecodeCrops` decodes the batch's files with one call
-to the decoder (:class:`NvjpegDecoder`: ``torchvision.io.decode_jpeg(device="cuda")``, nvJPEG,
-with A100's and H100's hardware JPEG engine for the baseline files it accepts), then resizes the
+to a :class:`~fastfeed.vision.jpeg_decoders.JpegDecoder` (TorchCodec's or torchvision's nvJPEG
+decode, chosen by :func:`~fastfeed.vision.jpeg_decoders.jpeg_decoder`), then resizes the
 whole batch with :func:`fastfeed.vision.resample.resize_crops`: a few kernels per group of
-similar crops, however many images. A file the decoder still refuses (torchvision fails the
-whole call) is decoded on the host, in the helper thread, and joins its batch there.
+similar crops, however many images. A file the decoder still refuses (the whole call fails)
+is decoded on the host, in the helper thread, and joins its batch there.
 
-Three rules keep the decode from stalling the training thread or racing the copy stream:
+Four rules keep the decode from stalling the training thread, racing the copy stream or
+hiding a failure:
 
 - Nothing reads a device value back (``.tolist()``, ``.item()``, ``.cpu()``, ``if tensor``):
   that would make the host wait for every kernel queued on the GPU. The windows and the image
   sizes are what the host needs, so they stay on the host, and the tables built from them cross
   to the device in one asynchronous copy.
-- No buffer is written by a stream that does not wait for the buffer's previous users.
-  torchvision's decoder allocates its outputs on the caller's current stream but writes them
-  on a private stream that waits for nothing, then makes the caller wait for it. On the copy
-  stream, that could hand the decoder a block the caching allocator just freed there, while
-  kernels queued on the copy stream still read it. So the decode runs with a stream of our
-  own as the current one (:func:`decode_stream`: one per process and device, made by the CUDA
-  runtime, as none of torch's pooled streams could be trusted not to be the copy stream or
-  the user's), on which no kernel ever runs: its blocks are freed only once the copy
-  stream's recorded uses complete (``record_stream``), and the copy stream waits for it
-  before touching the images. Outputs are asked for in RGB: in its ``UNCHANGED`` mode the
-  decoder clones a greyscale image on the current stream, a kernel there, and frees the
-  original with no use recorded. Every other buffer is allocated and written on the copy
-  stream. The result reaches the consumer's stream through FastLoader's event and
-  ``record_stream``.
-- torchvision's decoder waits on the host for its private stream (twice a batch at least), so
+- No buffer is written by a stream that does not wait for the buffer's previous users. The
+  decoders allocate their outputs on the caller's current stream, and torchvision's writes
+  them on a stream of its own that waits for nothing. On the copy stream, that could hand the
+  decoder a block the caching allocator just freed there, while kernels queued on the copy
+  stream still read it. So the decode runs with fastfeed's decode stream as the current one
+  (one per process and device, none of torch's pool: :mod:`fastfeed.device.own_streams`), on
+  which no kernel of ours ever runs: its blocks are freed only once the copy stream's recorded
+  uses complete (``record_stream``), and the copy stream waits for it before touching the
+  images. Outputs are asked for in RGB (torchvision's ``UNCHANGED`` mode clones a greyscale
+  image on the current stream and frees the original unrecorded). Every other buffer is
+  allocated and written on the copy stream. The result reaches the consumer's stream through
+  FastLoader's event and ``record_stream``.
+- The decoders wait on the host for their stream (once or twice a batch), so
   :class:`DecodeCrops` says it ``blocks_host``: FastLoader then runs it, with the copy, in a
   helper thread, and the training thread goes on queueing its own work.
-
-torchvision 0.29 deprecates ``decode_jpeg`` (TorchCodec replaces it) and warns at each call:
-that one warning is silenced for the process, from the first decode (so a call of the user's
-in the same process does not show it either). Moving to TorchCodec, behind
-:class:`JpegDecoder`, is a known follow-up.
+- Only a file's own fault is taken for a refusal. Out of device memory is no file's: nvJPEG
+  allocates with ``cudaMalloc``, outside torch's cache, so the batch is decoded once more after
+  torch's cached, unused memory is released (``torch.cuda.empty_cache()``), and a second
+  failure is raised. A decode stream that cannot be made, or a CUDA error, is raised at once.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
-import os
-import re
-import threading
-import warnings
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal
 
 import numpy as np
 import torch
 
 from fastfeed._torch_compat import default_collate
 from fastfeed.device import pinned_source
-from fastfeed.slots import page_lock
+from fastfeed.vision.jpeg_decoders import DecoderRefused, JpegDecoder, jpeg_decoder
 from fastfeed.vision.resample import FIELDS, UINT8, PixelAffine, crop_geometry, resize_crops
 from fastfeed.vision.window_decode import (
     FRAME_MARKERS,
@@ -69,8 +62,7 @@ from fastfeed.vision.window_decode import (
     jpeg_ends,
 )
 
-__all__ = ["DecodeCrops", "EncodedCrop", "JpegDecoder", "NvjpegDecoder", "collate_crops",
-           "decode_stream", "encoded_collate", "gpu_decodable"]
+__all__ = ["DecodeCrops", "EncodedCrop", "collate_crops", "encoded_collate", "gpu_decodable"]
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +70,8 @@ logger = logging.getLogger(__name__)
 _NVJPEG_FRAMES = (0xC0, 0xC1, 0xC2)
 # Markers without a length field: TEM, the restart markers, SOI and EOI.
 _STANDALONE = {0x01, *range(0xD0, 0xDA)}
-_APP0, _APP14, _SOS = 0xE0, 0xEE, 0xDA
+_APP0, _APP1, _APP14, _SOS = 0xE0, 0xE1, 0xEE, 0xDA
+_EXIF_ORIENTATION = 0x0112
 # The luma sampling factors (H, V) of 4:4:4, 4:2:2, 4:2:0 and 4:4:0, with chroma at 1x1.
 _NVJPEG_SAMPLING = {(1, 1), (2, 1), (2, 2), (1, 2)}
 
@@ -92,6 +85,7 @@ class _Header:
     components: tuple[tuple[int, int, int], ...] = ()  # (id, H, V) each
     jfif: bool = False
     adobe_transform: int | None = None
+    orientation: int = 1  # EXIF's; 1: as stored
 
 
 def _header(data: bytes) -> _Header:
@@ -107,9 +101,12 @@ def _header(data: bytes) -> _Header:
         if marker == _SOS:
             break
         end = i + 2 + int.from_bytes(data[i + 2 : i + 4], "big")
-        body = data[i + 4 : end] if marker in FRAME_MARKERS or marker in (_APP0, _APP14) else b""
+        body = (data[i + 4 : end] if marker in FRAME_MARKERS or marker in (_APP0, _APP1, _APP14)
+                else b"")
         if marker == _APP0 and body.startswith(b"JFIF\0"):
             header.jfif = True
+        elif marker == _APP1 and body.startswith(b"Exif\0\0"):
+            header.orientation = _exif_orientation(body[6:])
         elif marker == _APP14 and body.startswith(b"Adobe") and len(body) >= 12:
             header.adobe_transform = body[11]
         elif marker in FRAME_MARKERS and len(body) >= 6:
@@ -118,6 +115,17 @@ def _header(data: bytes) -> _Header:
                                       for j in range(6, min(len(body) - 1, 6 + 3 * body[5]), 3))
         i = end
     return header
+
+
+def _exif_orientation(tiff: bytes) -> int:
+    """The orientation tag of an EXIF block's first directory (1 where there is none)."""
+    order: Literal["little", "big"] = "little" if tiff[:2] == b"II" else "big"
+    at = int.from_bytes(tiff[4:8], order)
+    count = int.from_bytes(tiff[at:at + 2], order)
+    for entry in range(at + 2, min(at + 2 + 12 * count, len(tiff) - 11), 12):
+        if int.from_bytes(tiff[entry:entry + 2], order) == _EXIF_ORIENTATION:
+            return int.from_bytes(tiff[entry + 8:entry + 10], order)
+    return 1
 
 
 def _stored_as_rgb(header: _Header) -> bool:
@@ -135,13 +143,15 @@ def gpu_decodable(data: bytes) -> bool:
     with its end-of-image marker, greyscale or YCbCr in 4:4:4, 4:2:2, 4:2:0 or 4:4:0.
 
     Any other sampling (torchvision refuses what nvJPEG calls unknown, failing the batch; the
-    rest are rare) and a JPEG that libjpeg reads as RGB (an Adobe marker's transform 0: no
+    rest are rare), a JPEG that libjpeg reads as RGB (an Adobe marker's transform 0: no
     decoder documents whether nvJPEG honours it, and a mistake would be silent, in the
-    colours) are the CPU's."""
+    colours) and one whose EXIF orientation turns it (TorchCodec's GPU decode applies it, as
+    Pillow and torchvision do not: the image, and the window drawn for it, would turn) are
+    the CPU's."""
     if not jpeg_ends(data):
         return False
     header = _header(data)
-    if header.frame not in _NVJPEG_FRAMES or header.precision != 8:
+    if header.frame not in _NVJPEG_FRAMES or header.precision != 8 or header.orientation > 1:
         return False
     if len(header.components) == 1:
         return True
@@ -206,73 +216,6 @@ def encoded_collate(samples: list[tuple[Any, ...]]) -> list[Any]:
     return [collate_crops(list(columns[0])), *(default_collate(list(c)) for c in columns[1:])]
 
 
-class JpegDecoder(Protocol):
-    """Decodes JPEG files to RGB on a device: ``3×H×W`` uint8 tensors, contiguous, safe to
-    use on the caller's current stream, in the order given. Raises ``RuntimeError`` if it
-    cannot decode one of them."""
-
-    def __call__(self, encoded: list[torch.Tensor], device: torch.device
-                 ) -> list[torch.Tensor]: ...
-
-
-_decode_streams: dict[int, Any] = {}  # device index -> the process's decode stream
-_decode_streams_lock = threading.Lock()
-os.register_at_fork(after_in_child=_decode_streams.clear)  # CUDA objects do not cross a fork
-
-
-def decode_stream(device: torch.device) -> Any:
-    """The process's decode stream for ``device``: made on first use, never destroyed, and
-    none of torch's pool. ``torch.cuda.Stream()`` makes no stream: it hands out the next of 32
-    pooled ones, round-robin, which in time is the copy stream or the one the user trains on
-    (whose freed blocks the decoder would then be given, see the module's notes)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    with _decode_streams_lock:
-        stream = _decode_streams.get(index)
-        if stream is None:
-            handle = page_lock.TorchCudaRuntime().stream_create(index)
-            stream = torch.cuda.ExternalStream(handle, device=torch.device("cuda", index))
-            _decode_streams[index] = stream
-    return stream
-
-
-# torchvision 0.29 deprecates its image decoders (TorchCodec replaces them) and warns at every
-# call, from this module: that one warning is silenced, once, for the process (a filter, as
-# warnings.catch_warnings is not thread-safe and the decode runs in a helper thread).
-_DEPRECATION = "The image decoding and encoding capabilities of TorchVision are deprecated"
-_DEPRECATED_IN = r"torchvision\.io\.image\Z"
-
-
-@functools.cache
-def _quiet_torchvision_deprecation() -> None:
-    warnings.filterwarnings("ignore", message=re.escape(_DEPRECATION),
-                            category=DeprecationWarning, module=_DEPRECATED_IN)
-
-
-class NvjpegDecoder:
-    """:class:`JpegDecoder` by ``torchvision.io.decode_jpeg(device=...)`` (nvJPEG; its
-    hardware backend on A100/H100 for the files it accepts), following the stream rules of
-    the module's notes, on :func:`decode_stream`. On a CPU device, torchvision's CPU
-    decoder."""
-
-    def __call__(self, encoded: list[torch.Tensor], device: torch.device
-                 ) -> list[torch.Tensor]:
-        from torchvision.io import ImageReadMode, decode_jpeg  # optional: needed only here
-
-        if not encoded:
-            return []
-        _quiet_torchvision_deprecation()
-        if device.type != "cuda":
-            return decode_jpeg(encoded, device=device, mode=ImageReadMode.RGB)
-        stream = decode_stream(device)
-        caller = torch.cuda.current_stream(device)
-        with torch.cuda.stream(stream):
-            images = decode_jpeg(encoded, device=device, mode=ImageReadMode.RGB)
-        caller.wait_stream(stream)
-        for image in images:
-            image.record_stream(caller)
-        return images
-
-
 def _decoded_on_host(data: np.ndarray, path: str, refused: Exception) -> torch.Tensor:
     """A file the GPU's decoder refused, decoded whole the workers' way: uint8 ``3×H×W``."""
     encoded = data.tobytes()
@@ -293,24 +236,40 @@ class DecodeCrops:
     The decoder takes the batch's files in one call. If it refuses them, it is given one file
     at a time, and each file it refuses is decoded on the host, as the workers decode, and
     copied to the device to join the batch; a file neither decodes raises
-    :class:`~fastfeed.vision.window_decode.DecodeError`, naming it.
+    :class:`~fastfeed.vision.window_decode.DecodeError`, naming it. Out of device memory, the
+    call is made once more after torch's cached memory is released (see the module's notes).
 
     Args:
         affine: the conversion and normalisation folded into the resize.
-        decoder: decodes the files (default: :class:`NvjpegDecoder`).
+        decoder: decodes the files: a :class:`~fastfeed.vision.jpeg_decoders.JpegDecoder`, or
+            the name of one (:data:`~fastfeed.vision.jpeg_decoders.DECODERS`); default
+            ``FASTFEED_JPEG_DECODER``, else TorchCodec where it imports, else torchvision.
+            A name is resolved at the first batch.
         needs_cuda: if given, the message of the error raised for a batch that is not on a
             CUDA device.
     """
 
-    # torchvision's decoder waits on the host for its own stream: FastLoader runs this in a
-    # helper thread (see fastfeed.device.DeviceIterator).
+    # The decoders wait on the host for their stream: FastLoader runs this in a helper thread
+    # (see fastfeed.device.DeviceIterator).
     blocks_host = True
 
-    def __init__(self, affine: PixelAffine = UINT8, decoder: JpegDecoder | None = None,
+    def __init__(self, affine: PixelAffine = UINT8, decoder: JpegDecoder | str | None = None,
                  needs_cuda: str | None = None) -> None:
         self.affine = affine
-        self.decoder: JpegDecoder = decoder if decoder is not None else NvjpegDecoder()
+        self.decoder = decoder
         self.needs_cuda = needs_cuda
+
+    def _decoded(self, files: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+        """The decoder's images; out of memory, once more after torch's cache is released."""
+        if self.decoder is None or isinstance(self.decoder, str):
+            self.decoder = jpeg_decoder(self.decoder)
+        try:
+            return self.decoder(files, device)
+        except torch.OutOfMemoryError:
+            if device.type != "cuda":
+                raise
+        torch.cuda.empty_cache()  # nvJPEG's cudaMalloc may get what torch's cache held
+        return self.decoder(files, device)
 
     def decode(self, encoded: list[np.ndarray], paths: list[str], device: torch.device
                ) -> list[torch.Tensor]:
@@ -321,18 +280,14 @@ class DecodeCrops:
         files = [torch.from_numpy(data if data.flags.writeable else data.copy())
                  for data in encoded]
         try:
-            return self.decoder(files, device)
-        except torch.OutOfMemoryError:
-            raise  # not the files': decoding them one by one, or on the host, would hide it
-        except RuntimeError:
+            return self._decoded(files, device)
+        except DecoderRefused:
             pass  # one of them, at least: each alone
         images, refused = [], []
         for file, path in zip(files, paths, strict=True):
             try:
-                images.append(self.decoder([file], device)[0])
-            except torch.OutOfMemoryError:
-                raise
-            except RuntimeError as error:
+                images.append(self._decoded([file], device)[0])
+            except DecoderRefused as error:
                 image = _decoded_on_host(file.numpy(), path, error)
                 refused.append(f"{path} ({error})")
                 # from page-locked memory, asynchronously, on the current (copy) stream

@@ -11,21 +11,27 @@ gathers, each one ``embedding_bag`` (a gather and a weighted sum in one kernel).
 
 A table's rows are as wide as its widest crop, and its filters as long as its longest, so the
 crops are grouped by width and filter length (each rounded up to a power of two; at most eight
-groups): one large photo does not pad the whole batch to its size. For each group:
+groups): one large photo does not pad the whole batch to its size. A group whose float buffers
+would pass :data:`CHUNK_BYTES` (64 MiB) is cut into pieces that fit (a piece holds one crop at
+least), so that a batch's transient device memory is bounded whatever its size: 256 ImageNet
+crops, with four 5-megapixel photos among them, take 0.33 GiB of torch's caching allocator with
+their decoded images, the same blocks batch after batch (``tests/test_gpu_paths.py``, on the
+model of that allocator). For each piece:
 
 1. its images, packed end to end in one buffer, give the rows the vertical taps read, only
    their crop's columns (one gather), as floats: the table of the vertical pass;
 2. vertical pass: each output row of each channel is a weighted sum of source rows;
 3. the result is transposed (one copy), so that its columns are rows;
 4. horizontal pass: each output column is a weighted sum of those columns;
-5. one ``addcmul`` writes the group's crops into the NCHW batch (through their indices, one
+5. one ``addcmul`` writes the piece's crops into the NCHW batch (through their indices, one
    more copy, unless they are a run of it), converting and normalising per channel
    (``value * scale + offset``: ``ToTensor`` and ``Normalize`` folded together), in the
-   output dtype; a uint8 batch is then rounded into uint8 (one copy). After a bicubic filter,
-   which overshoots, the pixels are first clamped to 0–255, as Pillow's are.
+   output dtype; for a uint8 batch through the piece's floats, rounded into uint8 (one copy).
+   After a bicubic filter, which overshoots, the pixels are first clamped to 0–255, as
+   Pillow's are.
 
-About ten kernels a group, however many images it has (an ImageNet batch makes three or four
-groups); nothing reads a device value back. Each buffer is dropped once used, so a group's
+About ten kernels a piece, however many images it has (an ImageNet batch of 256 makes a dozen
+or so); nothing reads a device value back. Each buffer is dropped once used, so a piece's
 memory is reused by the next. The same code runs on CPU tensors, which is how its tests see
 it. Pixels: torch's antialiased ``interpolate`` of each crop, to float rounding
 (``tests/test_gpu_decode.py``); against Pillow's fixed-point resize of a uint8 image, a
@@ -41,7 +47,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-__all__ = ["FIELDS", "UINT8", "PixelAffine", "crop_geometry", "resize_crops"]
+__all__ = ["CHUNK_BYTES", "FIELDS", "UINT8", "PixelAffine", "crop_geometry", "resize_crops"]
 
 # One row of a batch's geometry (float64): the window of the source the output shows (x, y,
 # w, h, in source pixels, fractional after a crop of a resized image); the region the resize
@@ -189,9 +195,32 @@ class _Tables:
                        row_w.astype(np.float32), col_w.astype(np.float32)]
 
 
+# The float buffers of one piece of a group (its table, the vertical pass and its transpose,
+# the resized crops) stay under this, unless one crop alone needs more: the transient device
+# memory of a batch is bounded whatever its size, and the same few blocks of the caching
+# allocator serve every batch.
+CHUNK_BYTES = 64 << 20
+
+
+def _chunks(group: np.ndarray, row_counts: np.ndarray, width: int,
+            out_size: tuple[int, int]) -> list[np.ndarray]:
+    """``group`` cut into runs whose float buffers fit :data:`CHUNK_BYTES`, ``width`` being
+    the group's (padded) table width."""
+    out_h, out_w = out_size
+    per_crop = 4 * 3 * (row_counts[group] * width + 2 * out_h * width + out_h * out_w)
+    chunks, start, total = [], 0, 0
+    for i, nbytes in enumerate(per_crop):
+        if i > start and total + nbytes > CHUNK_BYTES:
+            chunks.append(group[start:i])
+            start, total = i, 0
+        total += nbytes
+    return [*chunks, group[start:]]
+
+
 def _batch_tables(geometry: np.ndarray, sizes: np.ndarray
                   ) -> tuple[list[np.ndarray], list[_Tables]]:
-    """The batch's groups (:func:`_groups`) and their tables."""
+    """The batch's pieces (:func:`_groups`, each cut by :func:`_chunks`) and their
+    tables."""
     g = geometry
     heights, widths = sizes[:, 0], sizes[:, 1]
     out_h, out_w = int(g[0, _OUT_H]), int(g[0, _OUT_W])
@@ -206,13 +235,17 @@ def _batch_tables(geometry: np.ndarray, sizes: np.ndarray
     # Each crop's own filter length (its longest row of taps) and the columns it reads
     taps_v = (rows[..., -1] - rows[..., 0]).max(1) + 1
     taps_h = (cols[..., -1] - cols[..., 0]).max(1) + 1
-    groups = _groups(cols[:, -1, -1] + 1 - cols[:, 0, 0], taps_v, taps_h)
+    widths = cols[:, -1, -1] + 1 - cols[:, 0, 0]
+    row_counts = rows[:, -1, -1] + 1 - rows[:, 0, 0]
+    pieces = [chunk for group in _groups(widths, taps_v, taps_h)
+              for chunk in _chunks(group, row_counts, 2 ** int(_power_of_two_class(
+                  widths[group]).max()), (out_h, out_w))]
     tables = []
-    for i in groups:  # the taps past a group's longest filter all have weight 0
+    for i in pieces:  # the taps past a piece's longest filter all have weight 0
         v, h = taps_v[i].max(), taps_h[i].max()
         tables.append(_Tables(g[i], sizes[i], rows[i, :, :v], row_w[i, :, :v], cols[i, :, :h],
                               col_w[i, :, :h]))
-    return groups, tables
+    return pieces, tables
 
 
 _TORCH_DTYPES = {np.dtype(np.int32): torch.int32, np.dtype(np.int64): torch.int64,
@@ -267,9 +300,10 @@ def resize_crops(images: Sequence[torch.Tensor], geometry: np.ndarray,
     one device) with one row of ``geometry`` each (:func:`crop_geometry`; every row with the
     same output size) to an ``N×3×out_h×out_w`` tensor of ``affine.dtype``.
 
-    Queues a fixed number of kernels per group of crops of similar width and filter length
-    (at most eight groups), whatever the batch size (for contiguous images, as decoders give
-    them; any other is copied first), and waits for none of them.
+    Queues a fixed number of kernels per piece of crops of similar width and filter length
+    (at most eight groups, cut into pieces of bounded memory), whatever the batch size (for
+    contiguous images, as decoders give them; any other is copied first), and waits for none
+    of them.
     """
     if len(images) != len(geometry) or not len(images):
         raise ValueError(f"{len(images)} images for {len(geometry)} rows of geometry")
@@ -288,18 +322,24 @@ def resize_crops(images: Sequence[torch.Tensor], geometry: np.ndarray,
     scale, shift = arrays[-2].view(1, 3, 1, 1), arrays[-1].view(1, 3, 1, 1)
     indices = dict(zip(scattered, arrays[6 * len(tables):], strict=False))
     floats = affine.dtype if affine.dtype != torch.uint8 else torch.float32
-    out = torch.empty((len(images), 3, out_h, out_w), dtype=floats, device=device)
+    out = torch.empty((len(images), 3, out_h, out_w), dtype=affine.dtype, device=device)
     for i, (group, table) in enumerate(zip(groups, tables, strict=True)):
         resized = _resize_group([images[j] for j in group], table, arrays[6 * i:6 * i + 6],
                                 (out_h, out_w))
         pixels = resized.permute(0, 2, 3, 1)
-        target = (out[int(group[0]):int(group[-1]) + 1] if i not in indices
-                  else torch.empty(pixels.shape, dtype=floats, device=device))
-        torch.addcmul(shift, pixels, scale, out=target)
+        run = out[int(group[0]):int(group[-1]) + 1]
+        # floats straight into the batch where they can; uint8 through a piece of floats,
+        # whose conversion's truncation rounds (the offset was 0.5)
+        direct = i not in indices and out.dtype == floats
+        values = run if direct else torch.empty(pixels.shape, dtype=floats, device=device)
+        torch.addcmul(shift, pixels, scale, out=values)
+        del resized, pixels
         if i in indices:
-            out.index_copy_(0, indices[i], target)
-        del resized, pixels, target
-    if affine.dtype != torch.uint8:
-        return out
-    # the offset was 0.5: the conversion's truncation rounds
-    return torch.empty(out.shape, dtype=torch.uint8, device=device).copy_(out)
+            converted = values if out.dtype == floats else torch.empty(
+                values.shape, dtype=out.dtype, device=device).copy_(values)
+            out.index_copy_(0, indices[i], converted)
+            del converted
+        elif not direct:
+            run.copy_(values)
+        del run, values
+    return out

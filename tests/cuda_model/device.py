@@ -1,6 +1,7 @@
-"""The modelled device: streams, events, memory and its caching allocator, page-locked host
-memory and the count of host waits (see the package's notes). It knows pointers, not tensors:
-what torch does with it is in :mod:`cuda_model.tensors`."""
+"""The modelled machine: its devices, each thread's current device and streams, the streams'
+device memory through torch's caching allocator, page-locked host memory, the contexts made
+and the count of host waits (see the package's notes). It knows pointers, not tensors: what
+torch does with it is in :mod:`cuda_model.tensors`."""
 
 from __future__ import annotations
 
@@ -8,107 +9,19 @@ import contextlib
 import threading
 import weakref
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from cuda_model.allocator import Block, CachingAllocator, DeviceMemory
+from cuda_model.driver import FakeLibcuda, FakeRuntime
+from cuda_model.streams import Kernel, Mark, Stream, StreamContext, Wait, reached
+
 DEVICE = torch.device("cuda", 0)
-_ALIGN = 512
 # torch.cuda.Stream() makes no stream: it hands out the next of a pool of this many, per
-# priority, round-robin (c10/cuda/CUDAStream.cpp's kStreamsPerPool).
+# device and priority, round-robin (c10/cuda/CUDAStream.cpp's kStreamsPerPool).
 POOL_SIZE = 32
-
-
-# -- streams and events ------------------------------------------------------------------------
-
-@dataclass(eq=False)
-class Mark:
-    """A point of a stream's queue; ``done`` once the device got there."""
-
-    stream: Stream
-    done: bool = False
-
-
-@dataclass
-class Wait:
-    mark: Mark
-
-
-@dataclass
-class Kernel:
-    name: str
-    run: object
-
-
-class Stream:
-    def __init__(self, gpu: Gpu, name: str) -> None:
-        self.gpu, self.name = gpu, name
-        self.queue: deque = deque()
-        self.device = DEVICE
-        gpu.streams.append(self)
-
-    def __repr__(self) -> str:
-        return f"<stream {self.name}>"
-
-    def mark(self) -> Mark:
-        mark = Mark(self)
-        self.queue.append(mark)
-        return mark
-
-    def wait_event(self, event: Event) -> None:
-        if event.recorded is not None:
-            self.queue.append(Wait(event.recorded))
-
-    def wait_stream(self, other: Stream) -> None:
-        self.queue.append(Wait(other.mark()))
-
-    def query(self) -> bool:
-        return not self.queue
-
-    def synchronize(self) -> None:
-        self.gpu.sync(f"{self.name}.synchronize()")
-        self.gpu.advance(self, self.query)
-
-
-class Event:
-    def __init__(self, gpu: Gpu) -> None:
-        self.gpu = gpu
-        self.recorded: Mark | None = None
-
-    def record(self, stream: Stream | None = None) -> None:
-        self.recorded = (stream or self.gpu.current_stream()).mark()
-
-    def query(self) -> bool:
-        return self.recorded is None or self.recorded.done
-
-    def synchronize(self) -> None:
-        self.gpu.sync("Event.synchronize()")
-        if self.recorded is not None:
-            self.gpu.advance(self.recorded.stream, self.query)
-
-
-class _StreamContext:
-    def __init__(self, gpu: Gpu, stream: Stream | None) -> None:
-        self.gpu, self.stream = gpu, stream
-
-    def __enter__(self) -> None:
-        self.previous = self.gpu.current_stream()
-        if self.stream is not None:
-            self.gpu._local.stream = self.stream
-
-    def __exit__(self, *exc: object) -> None:
-        self.gpu._local.stream = self.previous
-
-
-# -- memory --------------------------------------------------------------------------------------
-
-@dataclass(eq=False)
-class Block:
-    offset: int
-    nbytes: int
-    stream: Stream
-    uses: set = field(default_factory=set)  # streams named by record_stream
 
 
 def _plain(tensor: torch.Tensor) -> torch.Tensor:
@@ -140,85 +53,125 @@ class _Pointer:
     dtype: torch.dtype
 
 
-class FakeRuntime:
-    """The page-locking CUDA runtime (fastfeed.slots.page_lock.CudaRuntime): registration marks
-    a range page-locked; ``refuse=True`` fails every registration."""
-
-    def __init__(self, gpu: Gpu, refuse: bool = False) -> None:
-        self.gpu, self.refuse = gpu, refuse
-        self.created: list[Stream] = []  # cudaStreamCreateWithFlags, in order
-
-    def stream_create(self, index: int) -> int:
-        """A new stream of its own (not torch's pool), as a handle for ``ExternalStream``."""
-        stream = Stream(self.gpu, f"created{len(self.created)}")
-        self.created.append(stream)
-        return id(stream)
-
-    def device(self, index: int):
-        return contextlib.nullcontext()
-
-    def host_register(self, address: int, nbytes: int) -> int:
-        if self.refuse:
-            return 1  # cudaErrorInvalidValue
-        self.gpu.registered[address] = nbytes
-        return 0
-
-    def host_unregister(self, address: int) -> None:
-        self.gpu.registered.pop(address, None)
-
-    def clear_error(self, error: int) -> bool:
-        return True
-
-
 class Gpu:
-    """One modelled device (see the package's notes)."""
+    """A machine of ``devices`` modelled GPUs of ``memory_bytes`` each (see the package's
+    notes)."""
 
-    def __init__(self, memory_bytes: int = 64 << 20) -> None:
-        self._np = np.zeros(memory_bytes, np.uint8)
+    def __init__(self, memory_bytes: int = 64 << 20, devices: int = 1) -> None:
+        self.count, self.capacity = devices, memory_bytes
+        self._np = np.zeros(memory_bytes * devices, np.uint8)  # untouched pages cost nothing
         self.memory = torch.from_numpy(self._np)
         self.base = self.memory.data_ptr()
-        self._top = 0
-        self._blocks: dict[int, Block] = {}  # offset -> live block
-        self._pools: dict[Stream, list[Block]] = {}
-        # Freed blocks, each with the points its other streams must pass before it is reused.
-        self._freed: deque[tuple[Block, list[Mark]]] = deque()
-        self._pending: list[tuple[Block, list[Mark]]] = []
+        self.lock = threading.RLock()  # the copy may run in a helper thread
         self.streams: list[Stream] = []
-        self.default = Stream(self, "default")
-        self._stream_pools: dict[bool, list[Stream]] = {}  # torch's, by high priority
-        self._handed: dict[bool, int] = {}
+        self.contexts: set[int] = set()  # the devices whose primary context exists
+        self.defaults = [Stream(self, "default" if i == 0 else f"default{i}", i)
+                         for i in range(devices)]
+        self.default = self.defaults[0]
+        self.allocators = [CachingAllocator(DeviceMemory(i, i * memory_bytes, memory_bytes),
+                                            wait=self._host_waits_for)
+                           for i in range(devices)]
+        self._blocks: dict[int, Block] = {}  # offset -> live block
+        self._freed: deque[Block] = deque()  # by finalizers, in any thread: handled at malloc
+        self._stream_pools: dict[tuple[int, bool], list[Stream]] = {}
+        self._handed: dict[tuple[int, bool], int] = {}
         self._local = threading.local()
         self.syncs: list[tuple[str, str]] = []  # (what, thread name)
         self.registered: dict[int, int] = {}  # cudaHostRegister: address -> bytes
         self.pool: dict[int, int] = {}  # torch's pinned pool: address -> bytes, while alive
         self.staged = 0  # host copies into the pinned pool
         self.runtime = FakeRuntime(self)
-        self.lock = threading.RLock()  # the copy may run in a helper thread
+        self.driver = FakeLibcuda(self)
 
-    # -- streams -----------------------------------------------------------------------------
+    # -- devices and each thread's current one ---------------------------------------------------
+    def index(self, device: object = None) -> int:
+        """The device index ``device`` means (None, or a bare "cuda": the current device)."""
+        if device is None:
+            return self.current_device()
+        if isinstance(device, int):
+            index = device
+        else:
+            index = torch.device(device).index
+            index = self.current_device() if index is None else index
+        if not 0 <= index < self.count:
+            raise RuntimeError(f"CUDA error: invalid device ordinal ({index}; the model has "
+                               f"{self.count})")
+        return index
+
+    def touch(self, index: int) -> None:
+        """Anything done on device ``index`` (a launch, an allocation, an event) needs its
+        primary context: made now if there is none."""
+        self.contexts.add(index)
+
+    def current_device(self) -> int:
+        """This thread's current device: a new thread starts on device 0, as in CUDA."""
+        return getattr(self._local, "device", 0)
+
+    def set_device(self, device: object) -> None:
+        """``torch.cuda.set_device``: cudaSetDevice, which on CUDA 12 makes the device's primary
+        context (torch skips the call when the device is current already)."""
+        index = self.index(device)
+        if index != self.current_device():
+            self.touch(index)
+            self._local.device = index
+
+    @contextlib.contextmanager
+    def device_guard(self, device: object):
+        """``torch.cuda.device(d)``: the device made current (``_exchange_device``); the
+        previous one restored on leaving without making its context (``_maybe_exchange_device``:
+        torch only records it when it has none)."""
+        if device is None or (isinstance(device, int) and device < 0):
+            yield
+            return
+        previous = self.current_device()
+        self.set_device(device)
+        try:
+            yield
+        finally:
+            self._local.device = previous
+
+    # -- streams ---------------------------------------------------------------------------------
     def current_stream(self, device: object = None) -> Stream:
-        return getattr(self._local, "stream", self.default)
+        index = self.index(device)
+        return getattr(self._local, "streams", {}).get(index, self.defaults[index])
 
-    def stream(self, stream: Stream | None) -> _StreamContext:
-        return _StreamContext(self, stream)
+    def set_stream(self, stream: Stream) -> None:
+        """``torch.cuda.set_stream`` (Module.cpp's setStream): the stream's device is made
+        current first when it is not (cudaSetDevice)."""
+        if self.current_device() != stream.device_index:
+            self.set_device(stream.device_index)
+        if not hasattr(self._local, "streams"):
+            self._local.streams = {}
+        self._local.streams[stream.device_index] = stream
+
+    def stream(self, stream: Stream | None) -> StreamContext:
+        return StreamContext(self, stream)
+
+    def default_stream(self, device: object = None) -> Stream:
+        return self.defaults[self.index(device)]
 
     def pool_stream(self, device: object = None, priority: int = 0) -> Stream:
-        """``torch.cuda.Stream()``: the next stream of torch's pool for the priority (low, or
-        high when negative), round-robin, so that the 33rd is the first again."""
-        high = priority < 0
-        pool = self._stream_pools.setdefault(high, [])
-        handed = self._handed.get(high, 0)
-        self._handed[high] = handed + 1
+        """``torch.cuda.Stream()``: the next stream of torch's pool for the device and the
+        priority (low, or high when negative), round-robin, so that the 33rd is the first
+        again. torchvision's decoder and NCCL take theirs from the same pool."""
+        index = self.index(device)
+        self.touch(index)
+        key = (index, priority < 0)
+        pool = self._stream_pools.setdefault(key, [])
+        handed = self._handed.get(key, 0)
+        self._handed[key] = handed + 1
         if handed < POOL_SIZE:
-            pool.append(Stream(self, f"{'high' if high else 'pool'}{handed}"))
+            name = f"{'high' if key[1] else 'pool'}{handed}" + (f"@{index}" if index else "")
+            pool.append(Stream(self, name, index))
         return pool[handed % POOL_SIZE]
 
     def external_stream(self, handle: int, device: object = None) -> Stream:
-        """``torch.cuda.ExternalStream``: the stream a handle of :attr:`runtime` names."""
-        return next(s for s in self.runtime.created if id(s) == handle)
+        """``torch.cuda.ExternalStream``: the stream a handle of :attr:`driver` names."""
+        return self.driver.stream(handle)
 
     def launch(self, stream: Stream, name: str, run: object) -> None:
         with self.lock:
+            self.touch(stream.device_index)
             stream.queue.append(Kernel(name, run))
 
     def write(self, stream: Stream, tensor: torch.Tensor, values: torch.Tensor) -> None:
@@ -243,7 +196,7 @@ class Gpu:
             return False
         stream.queue.popleft()
         if isinstance(item, Mark):
-            item.done = True
+            reached(item)
         elif isinstance(item, Kernel):
             with torch._C.DisableTorchFunction():
                 item.run()
@@ -269,54 +222,57 @@ class Gpu:
                     self.advance(item.mark.stream, lambda mark=item.mark: mark.done)
                 self._step(stream)
 
-    # -- the caching allocator ---------------------------------------------------------------
+    def _host_waits_for(self, mark: Mark) -> None:
+        self.sync("the caching allocator waits for a stream's use of a freed block")
+        self.advance(mark.stream, lambda: mark.done)
+
+    # -- device memory ---------------------------------------------------------------------------
     def release(self, block: Block) -> None:
-        # A finalizer, in whatever thread drops the last tensor: like torch's allocator, it
-        # records an event on each stream that used the block, now; the pools change later.
-        self._freed.append((block, [stream.mark() for stream in block.uses]))
+        # A finalizer, in whatever thread drops the last tensor, at any point (inside an
+        # allocation too): like torch's allocator, it records an event on each stream that
+        # used the block, now; the pools change at the next allocation.
+        block.freed_at = [stream.mark() for stream in block.uses]
+        self._freed.append(block)
 
     def _collect(self) -> None:
         while self._freed:
-            self._pending.append(self._freed.popleft())
-        still = []
-        for block, marks in self._pending:
-            if all(m.done for m in marks):
-                self._pools.setdefault(block.stream, []).append(block)
-            else:
-                still.append((block, marks))
-        self._pending = still
+            block = self._freed.popleft()
+            self._blocks.pop(block.offset, None)
+            self.allocators[self.device_of_offset(block.offset)].free(block, block.freed_at)
 
-    @property
-    def reserved(self) -> int:
-        """The bytes the allocator holds, in use or cached: the most it ever needed at once."""
-        return self._top
+    def device_of_offset(self, offset: int) -> int:
+        return offset // self.capacity
 
     def allocate(self, nbytes: int, stream: Stream) -> Block:
         with self.lock:
-            return self._allocate(nbytes, stream)
+            self.touch(stream.device_index)
+            self._collect()
+            block = self.allocators[stream.device_index].malloc(nbytes, stream)
+            self._blocks[block.offset] = block
+            return block
 
-    def _allocate(self, nbytes: int, stream: Stream) -> Block:
-        self._collect()
-        size = -(-max(nbytes, 1) // _ALIGN) * _ALIGN
-        pool = self._pools.setdefault(stream, [])
-        fits = [b for b in reversed(pool) if b.nbytes >= size]  # the latest freed first
-        if fits:
-            block = min(fits, key=lambda b: b.nbytes)
-            pool.remove(block)
-            block.uses = set()
-        else:
-            if self._top + size > self._np.size:
-                raise MemoryError("the modelled device is out of memory")
-            block = Block(self._top, size, stream)
-            self._top += size
-        self._blocks[block.offset] = block
-        return block
+    def empty_cache(self) -> None:
+        """``torch.cuda.empty_cache()``: every device's cached, unused segments released."""
+        with self.lock:
+            self._collect()
+            for allocator in self.allocators:
+                allocator.empty_cache()
+
+    @property
+    def reserved(self) -> int:
+        """The bytes torch's allocator holds on device 0, in use or cached."""
+        return self.allocators[0].reserved
 
     def block_memory(self, block: Block) -> np.ndarray:
         return self._np[block.offset : block.offset + block.nbytes]
 
     def holds(self, address: int) -> bool:
         return self.base <= address <= self.base + self._np.size
+
+    def device_of(self, tensor: torch.Tensor) -> torch.device:
+        # the storage's address: an empty tensor's own is 0
+        address = _plain(tensor).untyped_storage().data_ptr()
+        return torch.device("cuda", self.device_of_offset(address - self.base))
 
     def block_of(self, tensor: torch.Tensor) -> Block:
         offset = _plain(tensor).data_ptr() - self.base
@@ -361,11 +317,11 @@ class Gpu:
             typed = torch.from_numpy(buffer)[:nbytes].view(dtype)
             return torch.as_strided(typed, shape, stride)
 
-    def host_value(self, what: str, compute):
+    def host_value(self, what: str, compute, device: object = None):
         """Something the host needs device values for: a copy to the host on the current stream
-        waits for that stream's work, then the values are read."""
+        (of the values' device) waits for that stream's work, then the values are read."""
         self.sync(what)
-        stream = self.current_stream()
+        stream = self.current_stream(device)
         self.advance(stream, stream.query)
         with torch._C.DisableTorchFunction():
             return compute()

@@ -11,7 +11,9 @@ import weakref
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-from cuda_model.device import DEVICE, Event, Gpu, Stream, _layout, _plain, _Pointer, _within
+from cuda_model.device import Gpu, _layout, _plain, _Pointer, _within
+from cuda_model.streams import Event, Stream
+from fastfeed.device import own_streams
 from fastfeed.slots import page_lock
 
 _gpu: Gpu | None = None  # the model installed for the running test
@@ -52,10 +54,12 @@ def _is_cuda(device: object) -> bool:
     return device is not None and torch.device(device).type == "cuda"
 
 
-def empty(gpu: Gpu, shape, dtype, stride=None, stream: Stream | None = None) -> DeviceTensor:
-    """A device tensor over a new block, allocated on ``stream`` (the current one)."""
+def empty(gpu: Gpu, shape, dtype, stride=None, stream: Stream | None = None,
+          device: object = None) -> DeviceTensor:
+    """A device tensor over a new block, allocated on ``stream`` (by default the current
+    stream of ``device``, itself the current device by default)."""
     shape, stride, itemsize, nbytes = _layout(shape, dtype, stride)
-    block = gpu.allocate(nbytes, stream or gpu.current_stream())
+    block = gpu.allocate(nbytes, stream or gpu.current_stream(device))
     holder = gpu.block_memory(block)
     # When the last tensor over the block dies, so does the holder, and the block is freed.
     weakref.finalize(holder, gpu.release, block)
@@ -67,11 +71,12 @@ def empty(gpu: Gpu, shape, dtype, stride=None, stream: Stream | None = None) -> 
     return tensor.as_subclass(DeviceTensor)
 
 
-def to_device(gpu: Gpu, tensor: torch.Tensor, non_blocking: bool) -> DeviceTensor:
-    """A host tensor copied to the device on the current stream."""
-    stream = gpu.current_stream()
+def to_device(gpu: Gpu, tensor: torch.Tensor, non_blocking: bool, device: object = None
+              ) -> DeviceTensor:
+    """A host tensor copied to ``device`` on its current stream."""
+    stream = gpu.current_stream(device)
     if non_blocking and _dense(tensor) and gpu.is_pinned(tensor):
-        out = empty(gpu, tensor.shape, tensor.dtype, tensor.stride())
+        out = empty(gpu, tensor.shape, tensor.dtype, tensor.stride(), stream)
         if tensor.numel():
             nbytes = tensor.numel() * tensor.element_size()
             source, dest = tensor.data_ptr(), gpu.pointer(out).address
@@ -87,19 +92,19 @@ def to_device(gpu: Gpu, tensor: torch.Tensor, non_blocking: bool) -> DeviceTenso
     gpu.sync("a blocking host-to-device copy" if not non_blocking else
              "a host-to-device copy from pageable or non-dense memory")
     gpu.advance(stream, stream.query)
-    out = empty(gpu, tensor.shape, tensor.dtype)
+    out = empty(gpu, tensor.shape, tensor.dtype, stream=stream)
     _plain(out).copy_(tensor)
     return out
 
 
-def _on_device(gpu: Gpu, result):
+def _on_device(gpu: Gpu, result, stream: Stream):
     """Plain views of device memory back as device tensors, other tensors copied there."""
     def on_device(x):
         if not isinstance(x, torch.Tensor) or isinstance(x, DeviceTensor):
             return x
         if gpu.holds(x.data_ptr()):
             return x.as_subclass(DeviceTensor)
-        out = empty(gpu, x.shape, x.dtype)
+        out = empty(gpu, x.shape, x.dtype, stream=stream)
         _plain(out).copy_(x)
         return out
     return tree_map(on_device, result)
@@ -112,11 +117,18 @@ def device_op(gpu: Gpu, func, args, kwargs):
     special = _DEVICE_METHODS.get(func)
     if special is not None:
         return special(gpu, *args, **kwargs)
-    for leaf in tree_flatten((args, kwargs))[0]:
+    leaves = tree_flatten((args, kwargs))[0]
+    devices = {gpu.device_of(leaf) for leaf in leaves if isinstance(leaf, DeviceTensor)}
+    for leaf in leaves:
         if isinstance(leaf, torch.Tensor) and not isinstance(leaf, DeviceTensor) \
                 and leaf.dim() > 0 and leaf.device.type == "cpu":
-            raise RuntimeError("Expected all tensors to be on the same device, but found at "
-                               f"least two devices, cuda:0 and cpu! ({name})")
+            devices.add(torch.device("cpu"))
+    if len(devices) > 1:
+        raise RuntimeError("Expected all tensors to be on the same device, but found at "
+                           f"least two devices, {', '.join(sorted(map(str, devices)))}! "
+                           f"({name})")
+    # torch's device guard: the op runs on its tensors' device's current stream
+    stream = gpu.current_stream(next(iter(devices), None))
     plain_args, plain_kwargs = tree_map(
         lambda x: _plain(x) if isinstance(x, DeviceTensor) else x, (args, kwargs))
     try:
@@ -125,7 +137,8 @@ def device_op(gpu: Gpu, func, args, kwargs):
             result = func(*meta_args, **meta_kwargs)
     except Exception:  # it cannot run without the values: the host waits for them
         return _on_device(gpu, gpu.host_value(
-            f"{name} reads device values", lambda: func(*plain_args, **plain_kwargs)))
+            f"{name} reads device values", lambda: func(*plain_args, **plain_kwargs),
+            stream.device_index), stream)
     pointers = tree_map(lambda x: gpu.pointer(x) if isinstance(x, DeviceTensor)
                         else x.clone() if isinstance(x, torch.Tensor) else x, (args, kwargs))
 
@@ -138,7 +151,7 @@ def device_op(gpu: Gpu, func, args, kwargs):
             a, k = at_pointers()
             func(*a, **k)
 
-        gpu.launch(gpu.current_stream(), name, mutate)
+        gpu.launch(stream, name, mutate)
         out = kwargs.get("out")
         return None if name == "__setitem__" else args[0] if out is None else out
     outputs = [x for x in tree_flatten(result)[0] if isinstance(x, torch.Tensor)]
@@ -149,8 +162,8 @@ def device_op(gpu: Gpu, func, args, kwargs):
               if isinstance(t, torch.Tensor)}
     if all(t.untyped_storage()._cdata in inputs for t in outputs):
         with torch._C.DisableTorchFunction():  # a view: metadata only, done now
-            return _on_device(gpu, func(*plain_args, **plain_kwargs))
-    made = tree_map(lambda t: empty(gpu, t.shape, t.dtype, t.stride())
+            return _on_device(gpu, func(*plain_args, **plain_kwargs), stream)
+    made = tree_map(lambda t: empty(gpu, t.shape, t.dtype, t.stride(), stream)
                     if isinstance(t, torch.Tensor) else t, result)
     out_pointers = [gpu.pointer(t) for t in tree_flatten(made)[0] if isinstance(t, torch.Tensor)]
 
@@ -160,7 +173,7 @@ def device_op(gpu: Gpu, func, args, kwargs):
         for pointer, value in zip(out_pointers, values, strict=True):
             gpu.at(pointer).copy_(value)
 
-    gpu.launch(gpu.current_stream(), name, compute)
+    gpu.launch(stream, name, compute)
     return made
 
 
@@ -168,10 +181,11 @@ def factory(gpu: Gpu, func, args, kwargs):
     """``torch.empty/zeros/full/arange/...(device="cuda")``: a block, filled by a kernel."""
     with torch._C.DisableTorchFunction():
         shape_of = func(*args, **{**kwargs, "device": "meta"})
-    out = empty(gpu, shape_of.shape, shape_of.dtype, shape_of.stride())
+    stream = gpu.current_stream(kwargs["device"])
+    out = empty(gpu, shape_of.shape, shape_of.dtype, shape_of.stride(), stream)
     if not func.__name__.startswith("empty"):  # memory as the allocator left it
         pointer = gpu.pointer(out)
-        gpu.launch(gpu.current_stream(), func.__name__, lambda: gpu.at(pointer).copy_(
+        gpu.launch(stream, func.__name__, lambda: gpu.at(pointer).copy_(
             func(*args, **{**kwargs, "device": "cpu"})))
     return out
 
@@ -181,9 +195,9 @@ def from_host_data(gpu: Gpu, func, data, kwargs):
     with torch._C.DisableTorchFunction():
         host = func(data, **{**kwargs, "device": "cpu"})
     gpu.sync(f"torch.{func.__name__} of host data on the device (a blocking copy)")
-    stream = gpu.current_stream()
+    stream = gpu.current_stream(kwargs["device"])
     gpu.advance(stream, stream.query)
-    out = empty(gpu, host.shape, host.dtype)
+    out = empty(gpu, host.shape, host.dtype, stream=stream)
     _plain(out).copy_(host)
     return out
 
@@ -192,7 +206,7 @@ def _target(args, kwargs) -> tuple[torch.device | None, torch.dtype | None, bool
     """Where ``Tensor.to(*args, **kwargs)`` goes: ``(device, dtype, non_blocking)``."""
     if args and isinstance(args[0], torch.Tensor):  # .to(other): other's device and dtype
         other = args[0]
-        device = DEVICE if isinstance(other, DeviceTensor) else _plain(other).device
+        device = other.device
         return device, _plain(other).dtype, bool(kwargs.get("non_blocking", False))
     device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args, **kwargs)
     return device, dtype, non_blocking
@@ -200,15 +214,29 @@ def _target(args, kwargs) -> tuple[torch.device | None, torch.dtype | None, bool
 
 def _device_to(gpu: Gpu, self, *args, **kwargs):
     device, dtype, _ = _target(args, kwargs)
+    here = gpu.device_of(self)
     if device is not None and device.type == "cpu":
-        return gpu.host_value("Tensor.to('cpu')", lambda: _plain(self).to(*args, **kwargs))
+        return gpu.host_value("Tensor.to('cpu')", lambda: _plain(self).to(*args, **kwargs),
+                              here)
+    if device is not None and gpu.index(device) != here.index:
+        self = _peer_copy(gpu, self, gpu.index(device))
     if dtype is None or dtype == self.dtype:
         return self
     return device_op(gpu, _convert, (self, dtype), {})
 
 
+def _peer_copy(gpu: Gpu, tensor: DeviceTensor, index: int) -> DeviceTensor:
+    """A copy to another device: on the destination's current stream, after the source's."""
+    source, stream = gpu.current_stream(gpu.device_of(tensor)), gpu.current_stream(index)
+    stream.wait_stream(source)
+    out = empty(gpu, tensor.shape, tensor.dtype, tensor.stride(), stream)
+    pointers = gpu.pointer(tensor), gpu.pointer(out)
+    gpu.launch(stream, "peer copy", lambda: gpu.at(pointers[1]).copy_(gpu.at(pointers[0])))
+    return out
+
+
 _DEVICE_METHODS = {
-    torch.Tensor.device.__get__: lambda gpu, self: DEVICE,
+    torch.Tensor.device.__get__: lambda gpu, self: gpu.device_of(self),
     torch.Tensor.is_cuda.__get__: lambda gpu, self: True,
     torch.Tensor.is_cpu.__get__: lambda gpu, self: False,
     torch.Tensor.__iter__: lambda gpu, self: iter(self.unbind(0)),
@@ -216,7 +244,8 @@ _DEVICE_METHODS = {
 }
 for _method in (torch.Tensor.cpu, torch.Tensor.numpy, torch.Tensor.tolist, torch.Tensor.item):
     _DEVICE_METHODS[_method] = (lambda m: lambda gpu, self, *a, **k: gpu.host_value(
-        f"Tensor.{m.__name__}()", lambda: m(_plain(self), *a, **k)))(_method)
+        f"Tensor.{m.__name__}()", lambda: m(_plain(self), *a, **k), gpu.device_of(self))
+    )(_method)
 
 
 # -- installing the model ----------------------------------------------------------------------
@@ -245,12 +274,6 @@ def _real_torch_in_child() -> None:
 os.register_at_fork(after_in_child=_real_torch_in_child)
 
 
-def _set_device(device) -> None:
-    chosen = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
-    if chosen != DEVICE:
-        raise RuntimeError(f"CUDA error: invalid device ordinal ({device}; the model has one)")
-
-
 def install(monkeypatch, gpu: Gpu) -> Gpu:
     """Make ``torch.cuda`` (and the tensor methods that reach it) the model, for one test; a
     process forked meanwhile gets torch's own back."""
@@ -263,30 +286,36 @@ def install(monkeypatch, gpu: Gpu) -> Gpu:
 
     replace(sys.modules[__name__], "_gpu", gpu)
     replace(torch.cuda, "is_available", lambda: True)
-    replace(torch.cuda, "device_count", lambda: 1)
-    replace(torch.cuda, "current_device", lambda: 0)
-    replace(torch.cuda, "set_device", _set_device)
+    replace(torch.cuda, "device_count", lambda: gpu.count)
+    replace(torch.cuda, "current_device", gpu.current_device)
+    replace(torch.cuda, "set_device", gpu.set_device)
+    replace(torch.cuda, "device", gpu.device_guard)
+    replace(torch.cuda, "set_stream", gpu.set_stream)
+    replace(torch.cuda, "empty_cache", gpu.empty_cache)
     replace(torch.cuda, "is_initialized", lambda: True)
     replace(torch.cuda, "Stream", gpu.pool_stream)
     replace(torch.cuda, "ExternalStream", gpu.external_stream)
     replace(torch.cuda, "Event", lambda *a, **k: Event(gpu))
     replace(torch.cuda, "stream", gpu.stream)
     replace(torch.cuda, "current_stream", gpu.current_stream)
-    replace(torch.cuda, "default_stream", lambda device=None: gpu.default)
+    replace(torch.cuda, "default_stream", gpu.default_stream)
     replace(torch.cuda, "synchronize", gpu.synchronize)
     replace(page_lock, "TorchCudaRuntime", lambda: gpu.runtime)
+    replace(own_streams, "libcuda", lambda: gpu.driver)
+    replace(own_streams, "_streams", {})  # as in a new process: none made yet
 
     def to(self, *args, **kwargs):
         if isinstance(self, DeviceTensor):
             return _device_to(gpu, self, *args, **kwargs)
         device, dtype, non_blocking = _target(args, kwargs)
         if device is not None and device.type == "cuda":
-            moved = to_device(gpu, self, non_blocking)
+            moved = to_device(gpu, self, non_blocking, device)
             return moved if dtype is None else moved.to(dtype)
         return _HOST_TO(self, *args, **kwargs)
 
     def cuda(self, device=None, non_blocking=False):
-        return to(self, DEVICE, non_blocking=non_blocking)
+        index = gpu.index(device)
+        return to(self, torch.device("cuda", index), non_blocking=non_blocking)
 
     def is_pinned(self, *args):
         return False if isinstance(self, DeviceTensor) else gpu.is_pinned(self)
@@ -320,7 +349,8 @@ def install(monkeypatch, gpu: Gpu) -> Gpu:
             if args and isinstance(args[0], DeviceTensor):  # *_like of a device tensor
                 return device_op(gpu, _original, args, kwargs)
             if _is_cuda(kwargs.get("device")):
-                return factory(gpu, _original, args, {**kwargs, "device": DEVICE})
+                device = torch.device("cuda", gpu.index(kwargs["device"]))
+                return factory(gpu, _original, args, {**kwargs, "device": device})
             return _original(*args, **kwargs)
 
         replace(torch, name, made_by)
