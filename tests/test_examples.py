@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -17,3 +19,13 @@ def test_train_resnet_example():
               "--size", "64", "--device", "cpu")
     assert out.returncode == 0, out.stderr
     assert "epoch 0: loss" in out.stdout and "samples/s" in out.stdout
+
+
+@pytest.mark.clients
+def test_train_yolo_example_keeps_the_image_size_it_is_given():
+    pytest.importorskip("ultralytics")
+    out = run("train_yolo_ultralytics.py", "--epochs", "1", "--workers", "2", "--imgsz", "96")
+    assert out.returncode == 0, out.stderr
+    assert "generated 24-image YOLO set at imgsz 96" in out.stdout
+    [trained] = [line for line in out.stdout.splitlines() if line.startswith("trained on ")]
+    assert trained.endswith("FastLoader"), trained  # Ultralytics' InfiniteDataLoader's peer
