@@ -117,10 +117,26 @@ def _needs(what: str, feature: str, with_torchvision: bool = True) -> str:
     return f"needs {what}: {install_line(feature, with_torchvision=with_torchvision)}"
 
 
+def _installed(*distributions: str) -> bool:
+    """Whether one of ``distributions`` is installed (a folder of the module's name in the
+    current directory imports as a namespace package, and is not the library)."""
+    for distribution in distributions:
+        try:
+            importlib.metadata.version(distribution)
+            return True
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return False
+
+
+def _usable(module: str, *distributions: str) -> bool:
+    return _installed(*distributions) and importable(module)
+
+
 def features() -> dict[str, str]:
     """For each feature beyond the core: :data:`READY`, or what it needs and the line that
     brings it (a line that keeps the installed torch; see :mod:`fastfeed._install`)."""
-    vision = importable("torchvision")
+    vision = _usable("torchvision", "torchvision")
     gpu = None if torch.cuda.is_available() else (
         "a GPU: CUDA is not available here" + ("" if torch.version.cuda else
                                                " (this torch is a CPU-only build)"))
@@ -128,17 +144,17 @@ def features() -> dict[str, str]:
         "FastLoader, fastfeed doctor, bench": READY,
         "fastfeed.vision.accelerate": READY if vision else _needs(
             "torchvision, the release built for this torch", "torchvision"),
-        "fastfeed.ultralytics.patch()": READY if importable("ultralytics") else _needs(
-            "Ultralytics" + ("" if vision else " and torchvision"), "ultralytics",
-            with_torchvision=not vision),
+        "fastfeed.ultralytics.patch()": READY if _usable("ultralytics", "ultralytics") else
+        _needs("Ultralytics" + ("" if vision else " and torchvision"), "ultralytics",
+               with_torchvision=not vision),
         'device="cuda", augment_device="cuda"': f"needs {gpu}" if gpu else READY,
         'decode_device="cuda" (nvJPEG)': f"needs {gpu}" if gpu else READY if vision else
         _needs("torchvision", "torchvision"),
-        'backend="dali" (NVIDIA DALI)': READY if importable("nvidia.dali") else _needs(
+        'backend="dali" (NVIDIA DALI)': READY if _usable("nvidia.dali", *_DALI) else _needs(
             "NVIDIA DALI", "dali"),
-        'worker_mode="ray"': READY if importable("ray") else _needs("Ray", "ray"),
-        "charts (bench.png, doctor --out)": READY if importable("matplotlib") else _needs(
-            "matplotlib", "plot"),
+        'worker_mode="ray"': READY if _usable("ray", "ray") else _needs("Ray", "ray"),
+        "charts (bench.png, doctor --out)": READY if _usable("matplotlib", "matplotlib")
+        else _needs("matplotlib", "plot"),
     }
 
 

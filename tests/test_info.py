@@ -1,3 +1,4 @@
+import importlib.util
 import os
 import subprocess
 import sys
@@ -40,13 +41,17 @@ def test_nvml_fails_soft():
         assert facts["NVML"].startswith("unavailable (") and facts["GPU"] == "none"
 
 
-def test_info_says_what_each_feature_needs_and_the_line_that_brings_it():
+def test_info_says_what_each_feature_needs_and_the_line_that_brings_it(tmp_path, monkeypatch):
+    (tmp_path / "ray").mkdir()  # imports as a namespace package from here: not Ray
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
     found = features()
     for feature, module in (("fastfeed.vision.accelerate", "torchvision"),
                             ("fastfeed.ultralytics.patch()", "ultralytics"),
                             ('worker_mode="ray"', "ray"),
                             ("charts (bench.png, doctor --out)", "matplotlib")):
-        assert (found[feature] == READY) == importable(module), feature
+        library = importable(module) and importlib.util.find_spec(module).origin is not None
+        assert (found[feature] == READY) == library, feature
         if found[feature] != READY:
             # The package itself, never fastfeed's extra: fastfeed is not on the package index.
             assert ": pip install " in found[feature] and "fastfeed[" not in found[feature]
