@@ -41,6 +41,9 @@ def main() -> None:
                         help="image size (default: 640; 64 for the generated set)")
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--fast-decode", action="store_true")
+    parser.add_argument("--project", default=None,
+                        help="the folder Ultralytics writes the run into (default: its "
+                             "runs_dir setting)")
     args = parser.parse_args()
     if args.data is None:
         os.environ.setdefault("YOLO_OFFLINE", "1")
@@ -56,7 +59,7 @@ def main() -> None:
     fastfeed.ultralytics.patch(fast_decode=args.fast_decode)  # the one line
     model = YOLO(args.model)
     model.train(data=args.data, epochs=args.epochs, imgsz=args.imgsz, workers=args.workers,
-                close_mosaic=1, plots=False)
+                close_mosaic=1, plots=False, project=args.project)
     print(f"trained on {type(model.trainer.train_loader).__name__}")
 
 

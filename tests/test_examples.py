@@ -1,5 +1,6 @@
 """The examples run on CPU with tiny generated data."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -9,9 +10,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run(script, *args):
+def run(script, *args, **options):
     return subprocess.run([sys.executable, str(ROOT / "examples" / script), *args],
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=600, **options)
 
 
 def test_train_resnet_example():
@@ -22,9 +23,12 @@ def test_train_resnet_example():
 
 
 @pytest.mark.clients
-def test_train_yolo_example_keeps_the_image_size_it_is_given():
+def test_train_yolo_example_keeps_the_image_size_it_is_given(tmp_path):
     pytest.importorskip("ultralytics")
-    out = run("train_yolo_ultralytics.py", "--epochs", "1", "--workers", "2", "--imgsz", "96")
+    # Ultralytics' settings, and the run it writes, in the test's folder.
+    env = dict(os.environ, YOLO_CONFIG_DIR=str(tmp_path))
+    out = run("train_yolo_ultralytics.py", "--epochs", "1", "--workers", "2", "--imgsz", "96",
+              "--project", str(tmp_path / "runs"), cwd=tmp_path, env=env)
     assert out.returncode == 0, out.stderr
     assert "generated 24-image YOLO set at imgsz 96" in out.stdout
     [trained] = [line for line in out.stdout.splitlines() if line.startswith("trained on ")]

@@ -289,10 +289,9 @@ def profile_samples(dataset: Any, collate_fn: Callable[[Any], Any] | None,
 def _collate(samples: list[Any], collate_fn: Callable[[Any], Any] | None,
              batch_size: int | None, clock: StageClock) -> Any:
     """Collate ``samples`` in batches as the loader would, each timed; the last batch."""
-    batch = None
     if collate_fn is None:
-        return batch
-    size = batch_size or 1
+        return None
+    batch, size = None, batch_size or 1
     for start in range(0, len(samples), size):
         chunk = samples[start:start + size]
         batch = clock.run("collate", COLLATE, collate_fn, chunk if batch_size else chunk[0])
