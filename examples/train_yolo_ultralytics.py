@@ -5,10 +5,12 @@ FastLoaders, with exactly its own arguments; ``fast_decode=True`` also decodes l
 reduced DCT scale (see docs/ultralytics.md). Ultralytics stays optional: never a fastfeed
 dependency.
 
-    pip install "fastfeed[ultralytics]"
+    python3 -m pip install torch==2.14.1 torchvision==0.29.1 -e ".[ultralytics]"  # in the clone
     python examples/train_yolo_ultralytics.py --data coco128.yaml --epochs 3
 
-Without ``--data``, the script trains on a tiny generated YOLO set, offline.
+(the README's Setup gives the line that keeps a torch already installed). Without ``--data``,
+the script trains on a tiny generated YOLO set, offline, at ``--imgsz 64`` unless given
+another.
 """
 
 from __future__ import annotations
@@ -35,13 +37,20 @@ def main() -> None:
     parser.add_argument("--data", default=None, help="an Ultralytics data.yaml")
     parser.add_argument("--model", default="yolov8n.yaml")
     parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--imgsz", type=int, default=640)
+    parser.add_argument("--imgsz", type=int, default=None,
+                        help="image size (default: 640; 64 for the generated set)")
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--fast-decode", action="store_true")
+    parser.add_argument("--project", default=None,
+                        help="the folder Ultralytics writes the run into (default: its "
+                             "runs_dir setting)")
     args = parser.parse_args()
     if args.data is None:
         os.environ.setdefault("YOLO_OFFLINE", "1")
-        args.data, args.imgsz = tiny_dataset(), 64
+        args.data = tiny_dataset()
+        args.imgsz = args.imgsz or 64  # a quick run on a CPU: at 640 an epoch takes minutes
+        print(f"no --data: training on a generated 24-image YOLO set at imgsz {args.imgsz}")
+    args.imgsz = args.imgsz or 640
 
     from ultralytics import YOLO
 
@@ -50,7 +59,7 @@ def main() -> None:
     fastfeed.ultralytics.patch(fast_decode=args.fast_decode)  # the one line
     model = YOLO(args.model)
     model.train(data=args.data, epochs=args.epochs, imgsz=args.imgsz, workers=args.workers,
-                close_mosaic=1, plots=False)
+                close_mosaic=1, plots=False, project=args.project)
     print(f"trained on {type(model.trainer.train_loader).__name__}")
 
 

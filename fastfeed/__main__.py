@@ -10,7 +10,8 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``fastfeed`` and ``python -m fastfeed``."""
     parser = argparse.ArgumentParser(prog="fastfeed", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("info", help="versions, extensions, CUDA, NVML, DALI, CPUs, /dev/shm")
+    commands.add_parser("info", help="versions, extensions, CUDA, NVML, DALI, CPUs, /dev/shm, "
+                                     "and what each feature needs")
     bench = commands.add_parser("bench", help="compare with the stock DataLoader on your data",
                                 description="Compare the stock DataLoader with FastLoader.")
     doctor = commands.add_parser(
@@ -25,9 +26,9 @@ def main(argv: list[str] | None = None) -> int:
     doctor_cli.add_arguments(doctor)
     args = parser.parse_args(argv)
     if args.command == "info":
-        from fastfeed.info import collect, format_report
+        from fastfeed.info import collect, features, format_report
 
-        print(format_report(collect()))
+        print(format_report(collect(), features()))
         return 0
     if args.command == "doctor":
         return doctor_cli.run(args)

@@ -2,7 +2,8 @@
 
 :func:`fastfeed.ultralytics.patch`, the integrations (timm, Hugging Face Accelerate) and the
 doctor's probe replace attributes of other libraries' modules and classes. Each keeps those
-replacements in a :class:`Swaps` table, which puts the originals back in reverse order, and
+replacements in a :class:`Swaps` table (attributes, and items of containers such as the
+doctor's timers in a list of transforms), which puts the originals back in reverse order, and
 checks the FastLoader options it passes on with :func:`check_fastloader_options`. Every
 integration gets its ``patch``, ``unpatch``, ``is_patched`` and ``patched`` from a
 :class:`Patch`, which sorts ``patch()``'s keywords into the integration's own and the
@@ -38,9 +39,10 @@ _INHERITED = object()
 
 class _Swap(NamedTuple):
     owner: Any
-    name: str
+    name: Any  # an attribute's name, or, for an item, its key or index
     own: Any  # what ``vars(owner)`` held before the first swap (a raw descriptor), or _INHERITED
-    original: Any  # what ``getattr(owner, name)`` read before the first swap
+    original: Any  # what ``getattr(owner, name)`` (an item: ``owner[name]``) read before it
+    item: bool = False  # ``owner[name]`` rather than ``owner.name``
 
 
 class Swaps:
@@ -54,15 +56,26 @@ class Swaps:
     """
 
     def __init__(self) -> None:
-        self._table: dict[tuple[int, str], _Swap] = {}
+        # Keyed by (id(owner), name, item): the table holds owner, so its id stays its own.
+        self._table: dict[tuple[int, Any, bool], _Swap] = {}
 
     def set(self, owner: Any, name: str, value: Any) -> None:
         """Set ``owner.name = value``, remembering the original the first time."""
-        key = (id(owner), name)  # the table holds owner, so its id stays its own
+        key = (id(owner), name, False)
         if key not in self._table:
             own = vars(owner).get(name, _INHERITED)
             self._table[key] = _Swap(owner, name, own, getattr(owner, name))
         setattr(owner, name, value)
+
+    def set_item(self, container: Any, key: Any, value: Any) -> None:
+        """Set ``container[key] = value`` (an element of a list, an entry of a dict),
+        remembering the original the first time. The container itself stays the same object,
+        so whoever else holds it sees the replacement too."""
+        entry = (id(container), key, True)
+        if entry not in self._table:
+            original = container[key]
+            self._table[entry] = _Swap(container, key, original, original, item=True)
+        container[key] = value
 
     def wrap(self, owner: Any, name: str, wrapper: Callable[[Any], Any]) -> None:
         """Set ``owner.name = wrapper(original)``: the replacement made from the original, the
@@ -71,13 +84,15 @@ class Swaps:
 
     def original(self, owner: Any, name: str) -> Any:
         """What ``owner.name`` read before its first replacement (now, if not replaced)."""
-        swap = self._table.get((id(owner), name))
+        swap = self._table.get((id(owner), name, False))
         return getattr(owner, name) if swap is None else swap.original
 
     def undo(self) -> None:
         """Put every original back, the last replaced first."""
         for swap in reversed(self._table.values()):
-            if swap.own is _INHERITED:
+            if swap.item:
+                swap.owner[swap.name] = swap.own
+            elif swap.own is _INHERITED:
                 delattr(swap.owner, swap.name)
             else:
                 setattr(swap.owner, swap.name, swap.own)

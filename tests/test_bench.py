@@ -150,3 +150,33 @@ def test_every_row_says_what_it_changes():
     assert note is not None and "not the loader's alone" in note and "fastfeed: " in note
     tensors = [dict(r, changes=changes(r["config"], "tensors")) for r in folder]
     assert changes_note(tensors) is None
+
+
+def test_the_table_fits_80_columns_with_nothing_cut(monkeypatch, capsys):
+    pytest.importorskip("rich")
+    from fastfeed.bench.data import TORCHVISION_CONFIGS, changes
+    from fastfeed.bench.report import write_table
+
+    monkeypatch.setenv("COLUMNS", "80")
+    configs = ["stock", "fastfeed", "dali", *TORCHVISION_CONFIGS]
+    results = [{"config": c, "workers": "auto", "changes": changes(c, "classify"),
+                "samples_per_s": 123_456.0, "stall_pct": 99.0, "first_batch_s": 10.5,
+                "peak_rss_mb": 12_345.0} for c in configs]
+    write_table(results, "classify folder: batch 64, step 5 ms, medians of 3")
+    out = capsys.readouterr().out
+    assert max(len(line) for line in out.splitlines()) <= 80
+    assert "…" not in out and all(c in out for c in configs)
+    assert "transforms" in out and "12,345" in out and "123,456" in out
+
+
+def test_help_shows_the_defaults():
+    import argparse
+
+    from fastfeed.bench import add_arguments
+
+    parser = argparse.ArgumentParser(prog="fastfeed bench")
+    add_arguments(parser)
+    text = " ".join(parser.format_help().split())
+    for default in ("(default: synthetic)", "(default: 64)", "(default: 2)", "(default: 50)",
+                    "(default: 3)", "(default: 1000)"):
+        assert default in text, default

@@ -26,3 +26,34 @@ def test_api_reference_is_current():
     result = subprocess.run([sys.executable, str(ROOT / "docs" / "gen_api.py"), "--check"],
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+USER_PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+# Words for what only the people who build fastfeed know: issue numbers, reviews, which
+# machine was at hand. A user reads what was measured, on what hardware, with which command.
+INTERNAL = re.compile(r"\bissues? \d+|\bissue's\b|\breview(er|ed)?\b|\blent\b|\bsessions?\b|"
+                      r"development machine|this kind of machine|\bhere;", re.IGNORECASE)
+
+
+def _hits(pattern: re.Pattern[str], pages: list[Path]) -> list[str]:
+    return [f"{page.relative_to(ROOT)}:{number}: {line.strip()}"
+            for page in pages for number, line in enumerate(page.read_text().splitlines(), 1)
+            if pattern.search(line)]
+
+
+def test_user_docs_name_no_internal_references():
+    assert not _hits(INTERNAL, USER_PAGES)
+
+
+def test_install_lines_work_from_a_clone():
+    # fastfeed is not on the package index: `pip install 'fastfeed[extra]'` fails for a user.
+    lines = _hits(re.compile(r"pip install[^`\n]*\bfastfeed\["),
+                  [*USER_PAGES, *sorted((ROOT / "examples").glob("*.py"))])
+    assert not lines
+
+
+def test_paths_the_docs_cite_exist():
+    cited = re.compile(r"`((?:tests|benchmarks|examples|fastfeed|docs|csrc)/[\w./-]*\w/?)`")
+    missing = [f"{page.relative_to(ROOT)}: {path}" for page in USER_PAGES
+               for path in cited.findall(page.read_text()) if not (ROOT / path).exists()]
+    assert not missing

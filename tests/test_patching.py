@@ -77,6 +77,23 @@ def test_inherited_methods_and_descriptors_come_back_as_they_were():
     assert vars(Base)["static"] is descriptor and Base.static() == "static"
 
 
+def test_items_are_swapped_in_their_container_and_put_back_in_order():
+    stages = ["read", "decode", "crop"]
+    held = stages  # another holder of the same list sees each replacement
+    table = {"crop": 1}
+    owner = types.SimpleNamespace(stages=stages)
+    swaps = Swaps()
+    swaps.set_item(stages, 1, "timed decode")
+    swaps.set_item(table, "crop", 2)
+    swaps.set(owner, "stages", ("a", "tuple"))
+    swaps.set_item(stages, 1, "timed again")  # keeps its first original, and its place
+    assert held == ["read", "timed again", "crop"] and table == {"crop": 2}
+    assert swaps.original(owner, "stages") is stages  # items and attributes apart
+    swaps.undo()
+    assert owner.stages is stages and held == ["read", "decode", "crop"]
+    assert table == {"crop": 1} and not swaps
+
+
 def test_options_are_checked_against_fastloader_own_keywords():
     assert set(OWN_OPTIONS) == FASTLOADER_OPTIONS
     check_fastloader_options({name: None for name in OWN_OPTIONS})

@@ -5,8 +5,7 @@ Configurations run interleaved, each measurement in a fresh process, and the med
 data stall (share of wall time spent waiting for a batch), time to the first batch, and peak
 RSS (main process plus its largest worker); the stall only with ``--step-ms`` or ``--model``,
 since a loop that only waits for data stalls near 100 % whatever the loader. Writes
-``bench.json`` and, with matplotlib (``pip install 'fastfeed[plot]'``),
-``bench.png`` to ``--out``.
+``bench.json`` and, with matplotlib (``pip install matplotlib``), ``bench.png`` to ``--out``.
 
 Every configuration says what it changes against its baseline (the ``changes`` column):
 ``loader`` alone, or the dataset and transforms too, so that a dataset swap's speed-up is never
@@ -37,6 +36,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from fastfeed._install import install_line
 from fastfeed.bench.data import (
     TORCHVISION_CONFIGS,
     BenchError,
@@ -54,10 +54,11 @@ __all__ = ["add_arguments", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter  # --help shows defaults
     parser.add_argument("--data", default="synthetic",
                         help="synthetic | imagenet-like | PATH (ImageFolder or YOLO) | "
                              "module:function (returns a Dataset)")
-    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--batch-size", type=int, default=64, help="samples per batch")
     parser.add_argument("--workers", default="2",
                         help="a count, a comma-separated list (0,2,4) or auto")
     parser.add_argument("--device", default=None, help="cuda or cpu: also run FastLoader "
@@ -67,10 +68,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="simulate a model step of this many milliseconds per batch")
     parser.add_argument("--model", choices=["resnet50", "yolo-like", "tiny"],
                         help="run a real training step instead of --step-ms")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="measurements per configuration (the median is shown)")
     parser.add_argument("--images", type=int, default=1000,
                         help="size of the generated imagenet-like set")
-    parser.add_argument("--out", type=Path, default=Path("fastfeed-bench"))
+    parser.add_argument("--out", type=Path, default=Path("fastfeed-bench"),
+                        help="where bench.json and bench.png go")
 
 
 def _workers(text: str) -> list[str]:
@@ -102,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
         if PEERS["dali-cpu"].missing() is None:
             configs.append("dali")
         else:
-            print("dali: not installed, left out (pip install nvidia-dali-cuda120)")
+            print(f"dali: not installed, left out ({install_line('dali')})")
     plan = [(c, w) for w in workers for c in configs]
     jobs = [(r, c, w) for r in range(args.repeats)
             for c, w in (plan if r % 2 == 0 else plan[::-1])]
@@ -131,13 +134,13 @@ def run(args: argparse.Namespace) -> int:
     # Stock always runs: a missing baseline is torchvision's, which did not import.
     for config, family in missing_baselines(results).items():
         print(f"*{config}: no speed-up: it is compared with the {family} row, which did not "
-              "run (torchvision does not import here: pip install 'fastfeed[torchvision]')")
+              f"run (torchvision does not import here: {install_line('torchvision')})")
     if not with_stall:
         print("data stall: not shown without a training step; add --step-ms or --model")
     write_json(results, {"args": {k: str(v) for k, v in vars(args).items()}, "title": title},
                args.out / "bench.json")
     charted = write_chart(results, title, args.out / "bench.png", with_stall)
     print(f"wrote {args.out / 'bench.json'}"
-          + (f" and {args.out / 'bench.png'}" if charted else " (pip install 'fastfeed[plot]' "
-             "for a chart)"))
+          + (f" and {args.out / 'bench.png'}" if charted else
+             f" (for a chart: {install_line('plot')})"))
     return 0

@@ -54,6 +54,7 @@ def write_table(results: list[dict[str, Any]], title: str, with_stall: bool = Tr
     body = rows(results, with_stall)
     columns = _columns(with_stall)
     try:
+        from rich import box
         from rich.console import Console
         from rich.table import Table
     except ImportError:
@@ -62,12 +63,23 @@ def write_table(results: list[dict[str, Any]], title: str, with_stall: bool = Tr
         for line in [columns, *body]:
             print("  ".join(v.ljust(w) for v, w in zip(line, widths, strict=True)))
         return
-    table = Table(title=title)
-    for column in columns:
-        table.add_column(column, justify="left" if column in ("config", "changes") else "right")
+    # Fits 80 columns with nothing cut: no vertical rules, a configuration's name and the
+    # numbers on one line each, what a row changes wrapped between words (never inside one),
+    # and, where the table is wider than the terminal on one line, the headings on several.
+    console = Console()
+    one_line = sum(max(len(c), *(len(r[i]) for r in body)) + 1 for i, c in enumerate(columns))
+    table = Table(title=title, box=box.SIMPLE_HEAD, padding=(0, 0), show_edge=False)
+    for index, column in enumerate(columns):
+        if column == "changes":
+            table.add_column(column, min_width=max(len(word) for row in body
+                                                   for word in row[index].split()))
+            continue
+        heading = column.replace(" ", "\n") if one_line > console.width else column
+        table.add_column(heading, no_wrap=True,
+                         justify="left" if column == "config" else "right")
     for row in body:
         table.add_row(*row)
-    Console().print(table)
+    console.print(table)
 
 
 def write_json(results: list[dict[str, Any]], meta: dict[str, Any], path: Path) -> None:

@@ -23,6 +23,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from fastfeed._install import install_line
 from fastfeed.doctor.findings import REPORT, SCRIPT_FAILED, Diagnosis
 from fastfeed.doctor.plots import write_plots
 from fastfeed.doctor.report import format_report
@@ -53,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="write the findings here")
     parser.add_argument("--out", type=Path, metavar="DIR",
                         help="write timeline.png and stages.png here (needs matplotlib: "
-                             "pip install 'fastfeed[plot]')")
+                             f"{install_line('plot')})")
     parser.add_argument("script", help="the training script, as you run it with python")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's arguments")
 
@@ -172,5 +173,5 @@ def run(args: argparse.Namespace) -> int:
     if args.out is not None:
         written = write_plots(diagnosis, args.out)
         print("wrote " + " and ".join(map(str, written)) if written is not None else
-              "no pictures: pip install 'fastfeed[plot]' (matplotlib)")
+              f"no pictures: they need matplotlib: {install_line('plot')}")
     return 0

@@ -82,6 +82,8 @@ class Diagnosis:
     timeline_ms: dict[str, list[float]] = field(default_factory=dict)  # "wait", "compute"
     system: dict[str, Any] = field(default_factory=dict)
     per_sample_ms: list[Stage] = field(default_factory=list)
+    # Why the stage figures are not given (the loader measured faster than they allow).
+    stages_ruled_out: str = ""
     per_batch_ms: list[Stage] = field(default_factory=list)
     recommendations: list[Option] = field(default_factory=list)
     measured: list[Option] = field(default_factory=list)

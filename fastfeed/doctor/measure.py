@@ -23,7 +23,7 @@ from fastfeed.doctor.loaders import LoaderSpec
 from fastfeed.doctor.probe import LoaderTrace, Probe
 from fastfeed.doctor.recommend import recommend
 from fastfeed.doctor.settings import Settings
-from fastfeed.doctor.stages import COLLATE, StageCost, profile_samples
+from fastfeed.doctor.stages import COLLATE, StageCost, most_samples_per_s, profile_samples
 from fastfeed.doctor.system import ProcessTree, usage_between
 from fastfeed.doctor.trials import (
     BASELINE,
@@ -37,7 +37,11 @@ from fastfeed.doctor.verdict import judge
 from fastfeed.nvml import GpuSample
 from fastfeed.telemetry import GpuSampler
 
-__all__ = ["Captured", "Steps", "diagnose"]
+__all__ = ["Captured", "Steps", "diagnose", "stages_ruled_out"]
+
+# A loader measured this much faster than its stage times allow shows that something slowed
+# the stages while they were timed: a margin beyond the few per cent between repeats.
+RULED_OUT = 1.25
 
 
 @dataclass
@@ -197,6 +201,23 @@ def _profile(diagnosis: Diagnosis, spec: LoaderSpec, settings: Settings
         return [], None
 
 
+def stages_ruled_out(stages: list[StageCost], workers: int | str, rate: float | None) -> str:
+    """Why the stage figures cannot be right, or ``""``: at their total cost a sample, the
+    script's ``workers`` could not deliver the ``rate`` (samples/s) its loader was measured
+    at. (``num_workers="auto"`` has no fixed count to bound the rate with.)"""
+    if rate is None or not isinstance(workers, int):
+        return ""
+    allowed = most_samples_per_s(stages, workers)
+    if allowed is None or rate <= RULED_OUT * allowed:
+        return ""
+    by = f"{workers} workers" if workers else "the main process"
+    return (f"they add up to {sum(c.ms for c in stages):.2f} ms a sample, at which {by} could "
+            f"deliver at most {allowed:,.0f} samples/s, but your loader delivered "
+            f"{rate:,.0f}: something slowed the stages while they were timed that the "
+            "loader's runs did not meet (other processes' work, files read for the first "
+            "time). Run the doctor again when fewer other processes share the machine.")
+
+
 def _per_batch(stages: list[StageCost], batch: Any, plan: TrialPlan) -> list[Stage]:
     per_batch = [Stage("collate", c.ms * (plan.spec.batch_size or 1), c.kind)
                  for c in stages if c.kind == COLLATE]
@@ -254,6 +275,11 @@ def diagnose(diagnosis: Diagnosis, captured: Captured, probe: Probe, settings: S
     diagnosis.outcome = REPORT
     diagnosis.verdict, diagnosis.evidence = verdict.name, list(verdict.evidence)
     diagnosis.loader_ceiling_samples_per_s = ceiling
+    rates = [r for r in (ceiling, diagnosis.consumer_samples_per_s) if r]
+    diagnosis.stages_ruled_out = stages_ruled_out(stages, spec.workers,
+                                                  max(rates) if rates else None)
+    if diagnosis.stages_ruled_out:
+        stages = []
     diagnosis.per_sample_ms = [Stage(c.stage, c.ms, c.kind) for c in stages]
     diagnosis.per_batch_ms = _per_batch(stages, batch, plan)
     _offer(diagnosis, results, unmeasured, verdict.loader_helps)

@@ -166,8 +166,10 @@ def _options(d: Diagnosis) -> list[str]:
 def format_report(d: Diagnosis) -> str:
     """The report of a diagnosis with outcome ``"report"``."""
     lines = _header(d) + _verdict(d)
-    lines += _stages("Where a sample's time goes (ms per sample, exclusive; in one process)",
-                     d.per_sample_ms, unit_total=True)
+    title = "Where a sample's time goes (ms per sample, exclusive; as a worker runs it)"
+    if d.stages_ruled_out:
+        lines += ["", title, f"  Not shown: {d.stages_ruled_out}"]
+    lines += _stages(title, d.per_sample_ms, unit_total=True)
     lines += _stages("Per batch (ms)", d.per_batch_ms, unit_total=False)
     lines += _system(d) + _options(d)
     lines += [f"Note: {note}" for note in d.notes]

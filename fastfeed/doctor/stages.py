@@ -10,19 +10,32 @@ what it recognises, taken off again after:
   (Ultralytics: read, decode and resize);
 - each **transform** of a list ``.transforms`` (torchvision's ``Compose`` v1 and v2,
   Ultralytics' ``Compose``, anything shaped like them), or of a dataset's ``transform`` or
-  ``transforms`` that is itself a list or tuple, nested lists included, by class name; a
-  single transform that is not a list, as a whole;
+  ``transforms`` that is itself a list or tuple, nested lists included; a single transform
+  that is not a list, as a whole. Each is named as :func:`stage_name` says: a function by its
+  qualified name, a lambda by its file and line, a ``functools.partial`` by the function it
+  wraps, a callable object by its class;
 - the rest of ``__getitem__``, and the **collate**, per sample.
+
+Every stage is timed as a loader worker runs it: with one intra-op thread (torch sets one in
+each worker). With more, on a machine whose other cores are busy, each parallel op waits for a
+core, and a collate that takes a millisecond in a worker reads as a hundred. The time the
+thread spent waiting for a CPU (the kernel's run-queue delay,
+:class:`~fastfeed.doctor.system.ThreadRunDelay`) is left out too: a stage's figure is what it
+costs a worker that has a core, however busy the machine was while it was timed (how long the
+workers waited for a core is the report's machine line).
 
 Times are exclusive, as a profiler's "self" time: a stage that calls another (Ultralytics'
 Mosaic loads three more images through ``load_image``) is charged only its own work, so the
 stages add up to the sample's cost. Transforms are wrapped in place in their lists (a
 torchvision dataset's ``StandardTransform`` holds the same ``Compose``), a tuple replaced by
-a tuple of timed ones, and given back after.
+a tuple of timed ones; the timers go in and come off through the patching kit's
+:class:`~fastfeed._patching.Swaps`.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 import random
 import time
@@ -33,17 +46,28 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset, IterableDataset, Subset
 
-__all__ = ["StageClock", "StageCost", "profile_samples"]
+from fastfeed._patching import Swaps
+from fastfeed.doctor.system import ThreadRunDelay
+
+__all__ = ["StageClock", "StageCost", "most_samples_per_s", "profile_samples", "stage_name"]
 
 # Stage kinds: the report and the recommendations read them (a Pillow decode, say).
 READ, DECODE, TRANSFORM, GETITEM, COLLATE = "read", "decode", "transform", "getitem", "collate"
 
 
 class StageClock:
-    """Accumulates the exclusive seconds of named stages, which may nest."""
+    """Accumulates the exclusive seconds of named stages, which may nest: the time each took,
+    less what ``waited`` says the thread spent waiting for a CPU meanwhile.
 
-    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
-        self._clock = clock
+    Args:
+        clock: seconds, monotonic.
+        waited: seconds this thread has waited for a CPU so far (the scheduler's run-queue
+            delay); none by default.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter,
+                 waited: Callable[[], float] = lambda: 0.0) -> None:
+        self._clock, self._waited = clock, waited
         self.seconds: dict[str, float] = {}
         self.kinds: dict[str, str] = {}
         self._nested: list[float] = []  # per open stage, the time its inner stages took
@@ -52,11 +76,12 @@ class StageClock:
             ) -> Any:
         """``fn(*args, **kwargs)``, charged to ``name`` less what nested stages took."""
         self._nested.append(0.0)
+        waited = self._waited()
         start = self._clock()
         try:
             return fn(*args, **kwargs)
         finally:
-            elapsed = self._clock() - start
+            elapsed = self._clock() - start - (self._waited() - waited)
             own = elapsed - self._nested.pop()
             self.seconds[name] = self.seconds.get(name, 0.0) + own
             self.kinds.setdefault(name, kind)
@@ -87,12 +112,33 @@ class StageCost:
     kind: str
 
 
+def stage_name(transform: Any) -> str:
+    """The name the report gives a transform (or a dataset's loader).
+
+    A function by its qualified name (``random_crop``, ``Augment.flip``), a builtin by its
+    module and name (``torch.neg``), a lambda by its file and line (``<lambda> at train.py:12``),
+    a ``functools.partial`` by the function it wraps, a callable object by its class.
+    """
+    while isinstance(transform, functools.partial):
+        transform = transform.func
+    if inspect.isbuiltin(transform):  # torch.neg's qualified name is a private class's
+        module = getattr(transform, "__module__", None)
+        return f"{module}.{transform.__name__}" if module else transform.__name__
+    if inspect.isfunction(transform) and transform.__name__ == "<lambda>":
+        code = transform.__code__
+        return f"<lambda> at {os.path.basename(code.co_filename)}:{code.co_firstlineno}"
+    if inspect.isroutine(transform):  # functions and methods
+        return str(transform.__qualname__)
+    name = getattr(transform, "__name__", None)  # numpy's ufuncs, named instances
+    return name if isinstance(name, str) else type(transform).__name__
+
+
 class _Instruments:
-    """The timers put on one dataset, and how to take each off."""
+    """The timers put on one dataset; :meth:`restore` takes them all off."""
 
     def __init__(self, clock: StageClock) -> None:
         self.clock = clock
-        self._undo: list[Callable[[], None]] = []
+        self._swaps = Swaps()
         self._names: dict[str, int] = {}
 
     def name(self, base: str) -> str:
@@ -101,30 +147,24 @@ class _Instruments:
 
     def attribute(self, obj: Any, attr: str, name: str, kind: str) -> None:
         """Time ``obj.attr`` through an instance attribute (a method's too)."""
-        had, before = attr in vars(obj), vars(obj).get(attr)
-        setattr(obj, attr, _Timed(getattr(obj, attr), name, kind, self.clock))
-        self._undo.append(lambda: setattr(obj, attr, before) if had else delattr(obj, attr))
+        self._swaps.wrap(obj, attr, lambda original: _Timed(original, name, kind, self.clock))
 
     def sequence(self, owner: Any, attr: str) -> bool:
         """Time each transform of ``owner.attr``, a list (in place) or a tuple (replaced), and
         the lists inside them; False when it is neither."""
         transforms = getattr(owner, attr, None)
         if isinstance(transforms, list):
-            original = list(transforms)
-            self._undo.append(lambda: transforms.__setitem__(slice(None), original))
-            transforms[:] = [self._timed(t) for t in original]
+            for index, transform in enumerate(transforms):
+                self._swaps.set_item(transforms, index, self._timed(transform))
             return True
         if isinstance(transforms, tuple):
-            had = attr in vars(owner)
-            setattr(owner, attr, tuple(self._timed(t) for t in transforms))
-            self._undo.append(lambda: setattr(owner, attr, transforms) if had
-                              else delattr(owner, attr))
+            self._swaps.set(owner, attr, tuple(self._timed(t) for t in transforms))
             return True
         return False
 
     def _timed(self, transform: Any) -> _Timed:
         self.sequence(transform, "transforms")  # a Compose, RandomApply, ... inside the list
-        return _Timed(transform, self.name(type(transform).__name__), TRANSFORM, self.clock)
+        return _Timed(transform, self.name(stage_name(transform)), TRANSFORM, self.clock)
 
     def dataset(self, dataset: Any) -> None:
         """Put timers on ``dataset`` and on the datasets it wraps (``.dataset``)."""
@@ -132,8 +172,7 @@ class _Instruments:
             state = vars(level) if hasattr(level, "__dict__") else {}
             loader = state.get("loader")
             if callable(loader):
-                label = getattr(loader, "__name__", type(loader).__name__)
-                self.attribute(level, "loader", f"open + decode ({label})", DECODE)
+                self.attribute(level, "loader", f"open + decode ({stage_name(loader)})", DECODE)
             if callable(getattr(level, "load_image", None)):
                 self.attribute(level, "load_image", "load_image (read, decode, resize)", DECODE)
             for attr in ("transform", "transforms"):
@@ -143,16 +182,15 @@ class _Instruments:
                         or self.sequence(pipeline, "transforms")):
                     break
                 if attr == "transform" and callable(pipeline):
-                    self.attribute(level, attr, type(pipeline).__name__, TRANSFORM)
+                    self.attribute(level, attr, self.name(stage_name(pipeline)), TRANSFORM)
                     break
 
     @property
     def installed(self) -> bool:
-        return bool(self._undo)
+        return bool(self._swaps)
 
     def restore(self) -> None:
-        while self._undo:
-            self._undo.pop()()
+        self._swaps.undo()
 
 
 def _levels(dataset: Any, depth: int = 4) -> Iterator[Any]:
@@ -220,11 +258,12 @@ def profile_samples(dataset: Any, collate_fn: Callable[[Any], Any] | None,
         collate_fn, batch_size: the loader's; ``batch_size=None`` collates sample by sample.
         budget_s: stop reading after this long, once ``least`` samples are read.
         most: read at most this many samples.
-        threads: torch's intra-op threads while reading: 1 by default, as torch sets in each
-            loader worker (more would also measure thread contention on a busy machine);
-            ``None`` keeps this process's (for a loader without workers).
+        threads: torch's intra-op threads while reading and collating: 1 by default, as torch
+            sets in each loader worker; ``None`` keeps this process's (for a loader without
+            workers, whose main process does the work).
     """
-    clock = StageClock()
+    run_delay = ThreadRunDelay()
+    clock = StageClock(waited=run_delay)
     instruments = _Instruments(clock)
     before = torch.get_num_threads()
     if threads is not None:
@@ -233,17 +272,35 @@ def profile_samples(dataset: Any, collate_fn: Callable[[Any], Any] | None,
         instruments.dataset(dataset)
         getitem = ("__iter__, per sample" if isinstance(dataset, IterableDataset) else
                    "__getitem__ (rest)" if instruments.installed else "__getitem__")
-        samples = _samples(dataset, clock, getitem, budget_s, most, least)
+        try:
+            samples = _samples(dataset, clock, getitem, budget_s, most, least)
+        finally:
+            instruments.restore()
+        batch = _collate(samples, collate_fn, batch_size, clock)
     finally:
-        instruments.restore()
         torch.set_num_threads(before)
-    batch = None
-    if collate_fn is not None and samples:
-        size = batch_size or 1
-        for start in range(0, len(samples), size):
-            chunk = samples[start:start + size]
-            batch = clock.run("collate", COLLATE, collate_fn, chunk if batch_size else chunk[0])
+        run_delay.close()
     count = max(1, len(samples))
     costs = [StageCost(name, 1000 * seconds / count, clock.kinds[name])
              for name, seconds in clock.seconds.items()]
     return sorted(costs, key=lambda cost: cost.ms, reverse=True), batch
+
+
+def _collate(samples: list[Any], collate_fn: Callable[[Any], Any] | None,
+             batch_size: int | None, clock: StageClock) -> Any:
+    """Collate ``samples`` in batches as the loader would, each timed; the last batch."""
+    if collate_fn is None:
+        return None
+    batch, size = None, batch_size or 1
+    for start in range(0, len(samples), size):
+        chunk = samples[start:start + size]
+        batch = clock.run("collate", COLLATE, collate_fn, chunk if batch_size else chunk[0])
+    return batch
+
+
+def most_samples_per_s(costs: list[StageCost], workers: int) -> float | None:
+    """The most samples a second a loader could deliver if each sample cost what ``costs``
+    say: ``workers`` processes (the main process alone for 0), each running a sample's stages
+    one after another; ``None`` without a cost."""
+    total_ms = sum(cost.ms for cost in costs)
+    return max(1, workers) * 1000 / total_ms if total_ms > 0 else None
