@@ -9,7 +9,7 @@ from fastfeed.vision import ImageFolder, image_loader
 from fastfeed.vision.synthetic import make_imagefolder
 
 pytest.importorskip("nvidia.dali",
-                    reason="NVIDIA DALI is not installed (pip install 'fastfeed[dali]')")
+                    reason="NVIDIA DALI is not installed (the dali extra)")
 
 from fastfeed.vision import dali
 from fastfeed.vision.dali import DaliLoader, epoch_batches

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import re
 import subprocess
 import sys
 import threading
@@ -17,6 +18,7 @@ from helpers import assert_same
 from sample_datasets import MixedDataset, ShardedIterable, TensorDataset
 
 from fastfeed import FastLoader, codec
+from fastfeed._install import install_line
 from fastfeed.backends.ray.wire import ship, unship
 from fastfeed.slots import Lease
 
@@ -103,7 +105,7 @@ def test_a_batch_lands_once_in_a_slot_of_the_size_it_asked_for(batch, monkeypatc
 
 def test_worker_mode_ray_without_ray_says_how_to_install_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # as if not installed
-    with pytest.raises(ImportError, match=r"pip install 'fastfeed\[ray\]'"):
+    with pytest.raises(ImportError, match=re.escape(install_line("ray"))):
         FastLoader(TensorDataset(), num_workers=2, worker_mode="ray")
 
 
@@ -122,14 +124,14 @@ def test_ray_options_need_worker_mode_ray():
     pytest.param({"resources": {"CPU": 1}}, ValueError, "num_cpus", id="cpu-as-resource"),
 ])
 def test_ray_options_are_checked_when_the_loader_is_built(options, error, match):
-    pytest.importorskip("ray", reason="needs Ray: pip install 'fastfeed[ray]'")
+    pytest.importorskip("ray", reason="needs Ray (the client environment)")
     with pytest.raises(error, match=match):
         FastLoader(TensorDataset(), num_workers=2, worker_mode="ray", ray_options=options)
 
 
 @pytest.mark.clients
 def test_without_a_cluster_the_first_iteration_says_to_call_ray_init(monkeypatch):
-    ray = pytest.importorskip("ray", reason="needs Ray: pip install 'fastfeed[ray]'")
+    ray = pytest.importorskip("ray", reason="needs Ray (the client environment)")
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     loader = FastLoader(ShardedIterable(), num_workers=2, worker_mode="ray")
     with pytest.raises(RuntimeError, match=r"call ray\.init\(address=\.\.\.\)"):
@@ -142,7 +144,7 @@ def test_without_a_cluster_the_first_iteration_says_to_call_ray_init(monkeypatch
 def test_the_benchmark_compares_ray_with_processes(tmp_path):
     """``benchmarks/ray_workers.py`` runs (on the overhead case, which needs no images) and
     tabulates both backends with its profile."""
-    pytest.importorskip("ray", reason="needs Ray: pip install 'fastfeed[ray]'")
+    pytest.importorskip("ray", reason="needs Ray (the client environment)")
     out = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "ray_workers.py"), "--configs",
          "overhead-process,overhead-ray", "--repeats", "1", "--epochs", "1", "--profile",

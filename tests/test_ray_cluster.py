@@ -36,8 +36,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from fastfeed import FastLoader
 
-ray = pytest.importorskip("ray", reason="needs Ray: pip install 'fastfeed[ray]' (the client "
-                                        "environment)")
+ray = pytest.importorskip("ray", reason="needs Ray (the client environment)")
 from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
 

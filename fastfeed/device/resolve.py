@@ -35,8 +35,8 @@ def check_device(device: str | int | torch.device) -> torch.device:
 def resolve_device(device: str | int | torch.device) -> torch.device:
     """:func:`check_device`, with the index of this process's GPU filled in.
 
-    A bare ``"cuda"`` means GPU 0 when the process sees one (a launcher that sets
-    ``CUDA_VISIBLE_DEVICES`` per rank); else the device the script chose with
+    A bare ``"cuda"`` means the GPU the process sees, when it sees only one (a launcher that
+    sets ``CUDA_VISIBLE_DEVICES`` per rank); else the device the script chose with
     ``torch.cuda.set_device`` (any but 0), else ``LOCAL_RANK``'s GPU (torchrun), else GPU 0
     (see :func:`fastfeed.placement.local_cuda_index`). Call it when the training script has
     chosen its device, not before.

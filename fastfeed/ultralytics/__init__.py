@@ -20,7 +20,7 @@ Multi-GPU training runs in processes that Ultralytics starts from a script it wr
 rebuild the trainer from a pickle: :func:`patch` gives that trainer a callback that patches each
 of those processes the same way before it builds its loaders.
 
-Ultralytics is optional: ``pip install fastfeed[ultralytics]``.
+Ultralytics is optional: ``python -m fastfeed info`` prints the line that installs it.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from fastfeed._imports import importable
+from fastfeed._install import install_line
 from fastfeed._patching import Patch, Swaps
 from fastfeed.backends import candidates
 from fastfeed.device import check_device
@@ -113,7 +114,7 @@ def _swap_ultralytics(swaps: Swaps, fastloader_options: dict[str, Any], *,
     made from Ultralytics' own attribute, so a second call starts again from it."""
     if not importable("ultralytics"):
         raise ImportError("fastfeed.ultralytics.patch() needs Ultralytics: "
-                          "pip install 'fastfeed[ultralytics]'")
+                          f"{install_line('ultralytics')}")
     _check_augment_device(augment_device, fastloader_options)
     if cache not in (None, "shared"):
         raise ValueError(f"cache must be None or 'shared', got {cache!r}")

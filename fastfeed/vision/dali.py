@@ -6,7 +6,7 @@ the same structure as the ``"cpu"`` backend, with the targets on the images' dev
 come from the rank and world size of ``torch.distributed`` when it is initialised; every rank
 yields the same number of batches (:func:`epoch_batches`), as DistributedSampler's ranks do, so
 that DDP's collectives never wait on a rank that has finished its epoch. Install with
-``pip install 'fastfeed[dali]'``.
+the line ``python -m fastfeed info`` prints for it.
 """
 
 from __future__ import annotations

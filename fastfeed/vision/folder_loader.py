@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from fastfeed._imports import importable
+from fastfeed._install import install_line
 from fastfeed.loader import FastLoader
 from fastfeed.vision.folder import ImageFolder
 from fastfeed.vision.image_collate import ImageCollate, YoloCollate
@@ -44,7 +45,7 @@ def choose_backend(backend: str, device: Any, task: str) -> str:
     if backend in ("nvjpeg", "dali") and task != "classify":
         raise ValueError(f"backend={backend!r} supports task='classify' only; use 'cpu' for detect")
     if backend == "dali" and not dali_ok:
-        raise ValueError("backend='dali' needs NVIDIA DALI: pip install 'fastfeed[dali]'")
+        raise ValueError(f"backend='dali' needs NVIDIA DALI: {install_line('dali')}")
     return backend
 
 

@@ -11,6 +11,8 @@ import importlib
 from types import ModuleType
 from typing import Any
 
+from fastfeed._install import install_line
+
 __all__ = ["DEFAULT_OPTIONS", "actor_options", "cluster_workers", "connected_ray", "import_ray"]
 
 # One CPU per worker, as a worker process takes one core.
@@ -25,7 +27,6 @@ PLACEMENT_OPTIONS = frozenset({
     "scheduling_strategy", "runtime_env",
 })
 
-_INSTALL = "worker_mode='ray' needs Ray: pip install 'fastfeed[ray]'"
 _CONNECT = ("worker_mode='ray' runs the workers on the Ray cluster this process is connected "
             "to, and it is connected to none: call ray.init(address=...) first (ray.init() "
             "alone starts a one-machine cluster here)")
@@ -40,7 +41,7 @@ def import_ray() -> ModuleType:
     try:
         return importlib.import_module("ray")
     except ImportError as error:
-        raise ImportError(_INSTALL) from error
+        raise ImportError(f"worker_mode='ray' needs Ray: {install_line('ray')}") from error
 
 
 def connected_ray() -> ModuleType:
