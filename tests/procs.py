@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import multiprocessing
 import os
+import threading
 import time
 
 # The worker pool's shutdown flag is a RawValue from multiprocessing's shared heap, whose arena
@@ -133,6 +135,16 @@ def assert_no_leaks(before: tuple[set[int], int, set[str]], timeout: float = 10.
     if not wait_until(settled, timeout):
         now_children, now_fds, _ = snapshot()
         raise AssertionError(
-            f"leak: children {sorted(now_children - children)}, fds {fds} -> {now_fds}, "
-            f"/dev/shm {sorted(new_shm(shm))}"
+            f"leak: children {sorted(now_children - children)}, fds {fds} -> {now_fds} "
+            f"({fd_targets()}), /dev/shm {sorted(new_shm(shm))}, threads "
+            f"{sorted(t.name for t in threading.enumerate())}"
         )
+
+
+def fd_targets() -> str:
+    """What each open descriptor of this process is, for a leak's message."""
+    targets = []
+    for fd in sorted(open_fds(), key=int):
+        with contextlib.suppress(OSError):
+            targets.append(f"{fd}->{os.readlink(f'/proc/self/fd/{fd}')}")
+    return ", ".join(targets)

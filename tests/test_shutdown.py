@@ -6,12 +6,13 @@ middle of the user's code: a finaliser that joined workers would stall training 
 
 import gc
 import os
+import signal
 import sys
 import threading
 from multiprocessing.process import BaseProcess
 
 import pytest
-from procs import alive, wait_until
+from procs import alive, assert_no_leaks, snapshot, wait_until
 from sample_datasets import BusyAfterFirst, FailingDataset, SlowDataset, TensorDataset
 
 from fastfeed import FastLoader
@@ -153,13 +154,14 @@ def test_timeout_arrives_on_time_after_many_varied_loaders(waits):
 
 
 class FakeWorker:
-    """A worker process as the backend sees it: ``stops`` says whether terminate() works;
+    """A worker process as the backend sees it: ``stops`` says whether terminate() works,
+    ``dies`` whether kill() does (a process in uninterruptible sleep outlives it too);
     ``reaped_elsewhere`` stands for a child another waitpid collected (its pid is gone, its
     exit code never known)."""
 
-    def __init__(self, stops: bool = True, reaped_elsewhere: bool = False):
+    def __init__(self, stops: bool = True, dies: bool = True, reaped_elsewhere: bool = False):
         self.exitcode = None
-        self.stops = stops
+        self.stops, self.dies = stops, dies
         self.pid = _unused_pid() if reaped_elsewhere else os.getpid()
 
     def join(self, timeout=None):
@@ -168,6 +170,10 @@ class FakeWorker:
     def terminate(self):
         if self.stops:
             self.exitcode = -15
+
+    def kill(self):
+        if self.dies:
+            self.exitcode = -9
 
 
 def _unused_pid() -> int:
@@ -180,18 +186,40 @@ def _unused_pid() -> int:
 @pytest.mark.parametrize(("workers", "released"), [
     ([FakeWorker(), FakeWorker()], True),
     ([FakeWorker(), FakeWorker(reaped_elsewhere=True)], True),
-    ([FakeWorker(), FakeWorker(stops=False)], False),
-], ids=["stopped", "reaped-elsewhere", "one-still-running"])
+    ([FakeWorker(), FakeWorker(stops=False)], True),
+    ([FakeWorker(), FakeWorker(stops=False, dies=False)], False),
+], ids=["stopped", "reaped-elsewhere", "killed", "one-still-running"])
 def test_tickets_return_only_once_no_worker_can_write(workers, released):
     """docs/design.md, invariant 2 on shutdown: the slots of tasks still in flight go back to the
-    ring only when every worker is gone; a worker that outlives terminate() keeps them."""
+    pool only when every worker is gone; one that outlives terminate() is killed, and a worker
+    that outlives that too keeps them."""
     from fastfeed.backends.process import ProcessWorker, stop_processes
 
     handles = [ProcessWorker(worker_id=i, process=w, task_queue=None, control=None)
                for i, w in enumerate(workers)]
     calls = []
     stop_processes(handles, 0.0, lambda: calls.append("released"))
+    for thread in threading.enumerate():  # a killed worker is joined on a reaper thread
+        if thread.name == "fastfeed-reaper":
+            thread.join()
     assert calls == (["released"] if released else [])
+
+
+def ignore_sigterm(worker_id):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def test_a_worker_that_ignores_terminate_is_killed_and_joined():
+    """A worker busy in a ``__getitem__`` that ignores SIGTERM (a dataset library's own
+    handler, say) is killed after the grace, and joined: no process, and no descriptor of
+    multiprocessing's handle on it, is left behind."""
+    before = snapshot()
+    loader = FastLoader(SlowDataset(delay=30), batch_size=1, num_workers=1, timeout=0.5,
+                        worker_init_fn=ignore_sigterm)
+    with pytest.raises(RuntimeError, match="timed out"):
+        next(iter(loader))
+    del loader
+    assert_no_leaks(before)
 
 
 def close_as_ultralytics_does(iterator):

@@ -178,19 +178,46 @@ class ProcessBackend(OnThisMachine):
 
 def stop_processes(workers: Sequence[ProcessWorker], grace: float,
                    then: Callable[[], None] | None = None) -> None:
-    """Join ``workers`` for up to ``grace`` seconds, terminate those still running, then call
-    ``then`` if every one is gone (a worker that outlives terminate() may still write)."""
+    """Join ``workers`` for up to ``grace`` seconds, terminate those still running and join
+    them for up to :data:`SHUTDOWN_GRACE`, then kill any left; call ``then`` once every one is
+    gone (a worker that outlives terminate() may still write).
+
+    A killed worker the kernel has not ended yet (a busy machine) is joined on a thread of its
+    own, which calls ``then``: unjoined, multiprocessing would keep its process object, and
+    with it two descriptors, until the next worker starts.
+    """
     try:
-        deadline = time.monotonic() + grace
-        for worker in workers:
-            worker.process.join(timeout=max(0.0, deadline - time.monotonic()))
+        _join(workers, grace)
     finally:
-        for worker in workers:
-            if worker.process.exitcode is None:
-                worker.process.terminate()
-                worker.process.join(timeout=SHUTDOWN_GRACE)
-        if then is not None and all(_exited(w.process) for w in workers):
-            then()
+        for worker in _running(workers):
+            worker.process.terminate()
+        _join(_running(workers), SHUTDOWN_GRACE)
+        killed = _running(workers)
+        for worker in killed:
+            worker.process.kill()
+        if not killed:
+            if then is not None:
+                then()
+        else:
+            threading.Thread(target=_join_killed, args=(killed, then), name="fastfeed-reaper",
+                             daemon=True).start()
+
+
+def _join(workers: Sequence[ProcessWorker], grace: float) -> None:
+    deadline = time.monotonic() + grace
+    for worker in workers:
+        worker.process.join(timeout=max(0.0, deadline - time.monotonic()))
+
+
+def _running(workers: Sequence[ProcessWorker]) -> list[ProcessWorker]:
+    return [worker for worker in workers if not _exited(worker.process)]
+
+
+def _join_killed(workers: Sequence[ProcessWorker], then: Callable[[], None] | None) -> None:
+    for worker in workers:
+        worker.process.join()  # killed: the kernel ends it (but in uninterruptible sleep)
+    if then is not None and not _running(workers):
+        then()
 
 
 def _exited(process: BaseProcess) -> bool:
