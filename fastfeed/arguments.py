@@ -22,7 +22,7 @@ def _is_int(value: Any, minimum: int) -> bool:
 
 def check_arguments(*, dataset: Any, worker_mode: Any, ray_options: Any, deterministic: bool,
                     log_every: Any, ring_slots: Any, prefetch_depth: Any, gpu_transform: Any,
-                    device: Any) -> dict[str, Any] | None:
+                    device: Any, share_lists: Any = True) -> dict[str, Any] | None:
     """Raise on an argument FastLoader cannot take; return the Ray actor options with
     ``worker_mode="ray"`` (None otherwise).
 
@@ -52,6 +52,8 @@ def check_arguments(*, dataset: Any, worker_mode: Any, ray_options: Any, determi
         raise TypeError(f"gpu_transform should be callable, got {type(gpu_transform).__name__}")
     if gpu_transform is not None and device is None:
         raise ValueError("gpu_transform runs on the device: pass device='cuda' (or 'cpu')")
+    if not isinstance(share_lists, bool):
+        raise TypeError(f"share_lists should be a bool, got {type(share_lists).__name__}")
     return actor_options(ray_options) if worker_mode == "ray" else None
 
 

@@ -28,6 +28,7 @@ from fastfeed._torch_compat import (
     set_worker_info,
     thread_worker_info,
 )
+from fastfeed.inherited_fds import release_inherited
 from fastfeed.produce import Producer
 from fastfeed.protocol import (
     Answer,
@@ -40,6 +41,7 @@ from fastfeed.protocol import (
     Task,
     WorkerConfig,
 )
+from fastfeed.shared_lists import ListsHandOff, received_config
 from fastfeed.slots.arena import WorkerSlots
 from fastfeed.slots.control import ControlPipe
 
@@ -76,7 +78,7 @@ def _setup(config: WorkerConfig) -> None:
 
 
 def worker_loop(
-    config: WorkerConfig,
+    config: WorkerConfig | ListsHandOff,
     task_queue: Any,
     result_queue: Any,
     shutting_down: ShutdownFlag,
@@ -86,7 +88,10 @@ def worker_loop(
 
     Once ``shutting_down`` is set (the pool shuts down), queued tasks are skipped.
     """
+    config = received_config(config)  # first: the dataset reads its shared lists from here on
     kind = "thread" if config.thread else "process"
+    if not config.thread:  # forked: what it inherited of the main process's loaders
+        release_inherited(keep=(task_queue, result_queue))
     where = f"in DataLoader worker {kind} {config.worker_id}"
     try:
         _setup(config)
@@ -106,6 +111,8 @@ def worker_loop(
                 message = task_queue.get(timeout=WATCHDOG_INTERVAL)
             except queue.Empty:
                 continue
+            except EOFError:  # the main process closed the queue's one writing end: it is gone
+                break
             if isinstance(message, Stop):
                 break
             if isinstance(message, StartEpoch):

@@ -21,10 +21,12 @@ __all__ = ["WorkerBackend", "WorkerExited", "WorkerHandle", "WorkerKind", "make_
 def make_backend(mode: WorkerKind, slot_pool: SlotPool | None,
                  multiprocessing_context: Any = None,
                  ray_options: dict[str, Any] | None = None,
-                 landing_tail: Callable[[Any, Empty], Any] | None = None) -> WorkerBackend:
+                 landing_tail: Callable[[Any, Empty], Any] | None = None,
+                 share_lists: bool = True) -> WorkerBackend:
     """The backend for ``worker_mode`` ``mode``; process workers and Ray's landing write
     ``slot_pool``'s slots (Ray's finishes each batch with ``landing_tail`` as it lands it, if
-    given)."""
+    given); process workers read the dataset's large lists from one shared copy if
+    ``share_lists``."""
     if mode == "thread":
         return ThreadBackend()
     if mode == "ray":
@@ -32,4 +34,4 @@ def make_backend(mode: WorkerKind, slot_pool: SlotPool | None,
         from fastfeed.backends.ray.backend import RayBackend
 
         return RayBackend(slot_pool, ray_options, landing_tail)
-    return ProcessBackend(multiprocessing_context or torch.multiprocessing, slot_pool)
+    return ProcessBackend(multiprocessing_context or torch.multiprocessing, slot_pool, share_lists)

@@ -7,17 +7,19 @@ is told of the pool's slots.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import signal
 import threading
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+from fastfeed import inherited_fds
 from fastfeed.backends.interface import (
     ABANDONED_GRACE,
     SHUTDOWN_GRACE,
@@ -26,6 +28,7 @@ from fastfeed.backends.interface import (
     WorkerKind,
 )
 from fastfeed.protocol import ShutdownFlag, SlotAdded, SlotDropped, Stop, WorkerConfig
+from fastfeed.shared_lists import ListsSnapshot
 from fastfeed.slots import SlotPool
 from fastfeed.slots.control import ControlPipe
 from fastfeed.worker import worker_loop
@@ -90,16 +93,21 @@ class ProcessWorker(QueueFedWorker):
 
 class ProcessBackend:
     """Worker processes from ``context`` (a multiprocessing context or module: fork, spawn or
-    forkserver), fed through ``slot_pool`` (None: no slot pool)."""
+    forkserver), fed through ``slot_pool`` (None: no slot pool); with ``share_lists``, they read
+    the dataset's large lists from one shared copy (:mod:`fastfeed.shared_lists`)."""
 
     kind: WorkerKind = "process"
 
-    def __init__(self, context: Any, slot_pool: SlotPool | None) -> None:
+    def __init__(self, context: Any, slot_pool: SlotPool | None, share_lists: bool = True
+                 ) -> None:
         self._context = context
         self._slot_pool = slot_pool
         self._results = context.Queue()
         self._shutting_down = ShutdownFlag(context)
         self.workers: list[ProcessWorker] = []
+        self._share_lists = share_lists
+        self._lists: ListsSnapshot | None = None  # taken as the first worker starts
+        inherited_fds.register(self)
 
     def start(self, config: WorkerConfig) -> ProcessWorker:
         task_queue = self._context.Queue()
@@ -109,23 +117,54 @@ class ProcessBackend:
             control, worker_control = ControlPipe.pair()
         process = self._context.Process(
             target=worker_loop,
-            args=(config, task_queue, self._results, self._shutting_down, worker_control),
+            args=(self._lists_snapshot(config).hand_off(config), task_queue, self._results,
+                  self._shutting_down, worker_control),
             daemon=True,
         )
         worker = ProcessWorker(config.worker_id, process, task_queue, control)
+        # Listed before it starts: forked, it finds its own main-side ends here, to close them.
+        self.workers.append(worker)
         try:
             process.start()
-        except (TypeError, AttributeError, pickle.PicklingError):
-            warnings.warn(_PICKLE_ERROR, stacklevel=2)  # torch's warning, for spawn/forkserver
+        except BaseException as error:
+            self.workers.remove(worker)
+            if isinstance(error, (TypeError, AttributeError, pickle.PicklingError)):
+                warnings.warn(_PICKLE_ERROR, stacklevel=2)  # torch's, for spawn/forkserver
             raise
         finally:
             if worker_control is not None:
                 worker_control.close()  # the worker has its own end now, or never will
-        self.workers.append(worker)
+        _close_ends(task_queue, reading=True)  # the worker reads it; this process only writes
         if self._slot_pool is not None:
             # A worker added late maps the slots that exist already.
             worker.announce_slots(self._slot_pool.slots(), [])
         return worker
+
+    def _lists_snapshot(self, config: WorkerConfig) -> ListsSnapshot:
+        """The dataset's lists as all of this pool's workers read them: packed once, when the
+        first starts, as a fork gives workers the dataset as it is when they start."""
+        if self._lists is None:
+            forking = self._context.get_start_method() == "fork"
+            self._lists = (ListsSnapshot.take(config.dataset, keep_fd=not forking)
+                           if self._share_lists else ListsSnapshot([], None))
+        return self._lists
+
+    def release_inherited(self, keep: Collection[object]) -> None:
+        """In a forked worker: close this backend's pipes, but for the worker's own queues
+        (in ``keep``) the ends it uses (see :mod:`fastfeed.inherited_fds`)."""
+        for queue in (self._results, *(worker.task_queue for worker in self.workers)):
+            # The worker reads its task queue, and writes the results: the reading end it
+            # keeps too, so that a write after the main process is gone is not an EPIPE
+            # traceback from the queue's feeder thread.
+            mine = queue in keep
+            _close_ends(queue, reading=not mine, writing=not mine or queue is not self._results)
+        for worker in self.workers:
+            if worker.control is not None:
+                worker.control.close()  # the main process's end (the worker's is not listed)
+            with contextlib.suppress(ValueError):  # not started: the worker being forked
+                os.close(worker.process.sentinel)
+        if self._lists is not None:
+            self._lists.close()
 
     def next_answer(self, timeout: float) -> FromWorker:
         return self._results.get(timeout=timeout)
@@ -162,6 +201,18 @@ class ProcessBackend:
                 worker.control.close()
         self._results.cancel_join_thread()
         self._results.close()
+        if self._lists is not None:
+            self._lists.close()
+
+
+def _close_ends(queue: Any, reading: bool = False, writing: bool = False) -> None:
+    """Close the ends of a multiprocessing queue's pipe that this process never uses: every
+    process that has a ``Queue`` holds both (its ``_reader`` and ``_writer``, the same since
+    Python 3.4), and a descriptor each is what the stock loader's processes pay."""
+    if reading:
+        queue._reader.close()
+    if writing:
+        queue._writer.close()
 
 
 def stop_processes(workers: Sequence[ProcessWorker], grace: float,

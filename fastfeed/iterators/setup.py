@@ -73,6 +73,7 @@ class IteratorSetup:
     slot_pool: SlotPool | None = None  # the loader's slot pool, for process workers
     ring_slots: int | None = None
     deterministic: bool = False
+    share_lists: bool = True  # process workers read the dataset's large lists from one copy
     terms: HostTerms = field(default_factory=HostTerms)  # the device stage's, if any
     # Where a dataset whose tail runs on whole batches has it run (fastfeed.tail_split): what the
     # workers read and collate with, and what finishes their batches (same batches).
@@ -97,6 +98,7 @@ class PoolOptions:
     autotune: bool = False
     max_workers: int = 0
     on_device: bool = False
+    share_lists: bool = True
     terms: HostTerms = field(default_factory=HostTerms)
 
 
@@ -134,6 +136,7 @@ class IteratorPlanner:
             slot_pool=self._slot_pool(worker_mode, options.ring_slots, options.terms.copy_device),
             ring_slots=options.ring_slots,
             deterministic=options.deterministic,
+            share_lists=options.share_lists,
             terms=options.terms,
             tail=place_tail(split, on_device=options.on_device, worker_mode=worker_mode),
         )
@@ -164,7 +167,7 @@ class IteratorPlanner:
         of them (``device="cuda"``): a slot the user copies from must not be (invariant 2)."""
         if worker_mode not in ("process", "ray") or ring_slots == 0 or not slots_supported():
             return None
-        if self.slot_pool is None:
+        if self.slot_pool is None or self.slot_pool.sealed:  # a sealed one has no descriptors
             pin = None if copy_device is None else Pinner(copy_device)
             self.slot_pool = SlotPool(max_slots=0, pin=pin)
         return self.slot_pool
