@@ -9,6 +9,7 @@ seeded, and :func:`fastfeed.worker_info` (not torch's ``get_worker_info``) descr
 
 from __future__ import annotations
 
+import gc
 import os
 import queue
 import random
@@ -90,8 +91,12 @@ def worker_loop(
     """
     config = received_config(config)  # first: the dataset reads its shared lists from here on
     kind = "thread" if config.thread else "process"
-    if not config.thread:  # forked: what it inherited of the main process's loaders
+    if not config.thread:
+        # Forked: what it inherited of the main process's loaders; and the inherited objects
+        # move out of reach of this process's garbage collector, whose full collections
+        # would otherwise write to (so copy) every page that holds one.
         release_inherited(keep=(task_queue, result_queue))
+        gc.freeze()
     where = f"in DataLoader worker {kind} {config.worker_id}"
     try:
         _setup(config)

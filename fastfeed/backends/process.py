@@ -7,7 +7,6 @@ is told of the pool's slots.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import pickle
 import signal
@@ -161,8 +160,8 @@ class ProcessBackend:
         for worker in self.workers:
             if worker.control is not None:
                 worker.control.close()  # the main process's end (the worker's is not listed)
-            with contextlib.suppress(ValueError):  # not started: the worker being forked
-                os.close(worker.process.sentinel)
+            for fd in _parent_ends(worker.process):
+                os.close(fd)
         if self._lists is not None:
             self._lists.close()
 
@@ -213,6 +212,16 @@ def _close_ends(queue: Any, reading: bool = False, writing: bool = False) -> Non
         queue._reader.close()
     if writing:
         queue._writer.close()
+
+
+def _parent_ends(process: BaseProcess) -> tuple[int, ...]:
+    """The descriptors the parent holds for a started process: its sentinel, and the end
+    whose closing tells the process its parent is gone. multiprocessing keeps them only in
+    the arguments of the finaliser that closes them (its ``Popen.finalizer``, the same since
+    Python 3.8); none for the process being forked, which has no ``Popen`` yet."""
+    finalizer = getattr(getattr(process, "_popen", None), "finalizer", None)
+    arguments = getattr(finalizer, "_args", None)
+    return tuple(arguments) if arguments else ()
 
 
 def stop_processes(workers: Sequence[ProcessWorker], grace: float,

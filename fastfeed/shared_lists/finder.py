@@ -25,8 +25,8 @@ class Found:
     owners: list[tuple[Any, str]] = field(default_factory=list)
 
 
-def find_lists(dataset: Any, min_length: int = MIN_LENGTH) -> list[Found]:
-    """The lists and tuples of at least ``min_length`` elements held in the instance
+def find_lists(dataset: Any) -> list[Found]:
+    """The lists and tuples of at least :data:`MIN_LENGTH` elements held in the instance
     attributes of ``dataset`` and of the datasets it wraps, each once.
 
     A wrapped dataset is an attribute that is a ``torch.utils.data.Dataset`` (``Subset.dataset``,
@@ -34,7 +34,7 @@ def find_lists(dataset: Any, min_length: int = MIN_LENGTH) -> list[Found]:
     Whether a found sequence holds only plain values is decided when it is encoded.
     """
     found: dict[int, Found] = {}
-    for owner, name, sequence in _sequences(dataset, min_length):
+    for owner, name, sequence in _sequences(dataset, MIN_LENGTH):
         found.setdefault(id(sequence), Found(sequence)).owners.append((owner, name))
     return list(found.values())
 

@@ -30,7 +30,7 @@ from typing import IO, Any
 
 from fastfeed.protocol import WorkerConfig
 from fastfeed.shared_lists.columns import SequenceLayout, encode_sequence
-from fastfeed.shared_lists.finder import MIN_LENGTH, Found, find_lists
+from fastfeed.shared_lists.finder import Found, find_lists
 from fastfeed.shared_lists.packing import PackedLists
 from fastfeed.shared_lists.shared_list import SharedList
 
@@ -56,12 +56,12 @@ class ListsSnapshot:
         self._tokens = {id(item.sequence): token for token, item in enumerate(found)}
 
     @classmethod
-    def take(cls, dataset: Any, keep_fd: bool, min_length: int = MIN_LENGTH) -> ListsSnapshot:
+    def take(cls, dataset: Any, keep_fd: bool) -> ListsSnapshot:
         """Pack the lists of ``dataset`` worth sharing; ``keep_fd``: workers started by
         pickling (spawn, forkserver) will need the mapping's descriptor."""
         started = time.perf_counter()
         found, encoded = [], []
-        for item in find_lists(dataset, min_length):
+        for item in find_lists(dataset):
             sequence = encode_sequence(item.sequence)
             if sequence is not None:  # it holds something other than plain values
                 found.append(item)
