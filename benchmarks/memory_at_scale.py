@@ -6,8 +6,9 @@ The dataset holds 1,281,167 ``(path, class)`` pairs as torchvision's ``ImageFold
 persistent workers, the plain import swap (fastfeed's defaults). Measured:
 
 - **memory**: each worker's private memory (USS: ``Private_Clean + Private_Dirty`` of
-  ``/proc/PID/smaps_rollup``) once the first batch has arrived, and what it gains by the end of
-  one epoch (a forked stock worker copies every page of the lists it reads: "copy-on-read");
+  ``/proc/PID/smaps_rollup``) once the first batch has arrived and every worker has started,
+  and what it gains by the end of one epoch (a forked stock worker copies every page of the
+  lists it reads: "copy-on-read");
 - **start-up**: seconds from ``iter(loader)`` to the first batch, workers started and the lists
   pickled to them (stock, spawn) or packed (fastfeed); medians of ``--rounds`` fresh loaders.
   Beside them, the floor: as many bare processes started the same way, each importing what a
@@ -109,6 +110,9 @@ def run_epoch(kind: str, context: str, workers: int, samples: int) -> dict[str, 
     next(iterator)
     first_batch_s = time.perf_counter() - started
     pids = worker_pids()
+    while len(pids) < workers:  # spawned workers may still be starting: wait for them all
+        time.sleep(0.1)
+        pids = worker_pids()
     at_first = [private_mb(pid) for pid in pids]
     for _ in iterator:
         pass

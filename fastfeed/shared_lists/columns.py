@@ -20,12 +20,14 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from operator import itemgetter
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 
-__all__ = ["ColumnArrays", "EncodedSequence", "Part", "SequenceLayout", "column_reader",
+__all__ = ["Column", "EncodedSequence", "Layout", "Part", "SequenceLayout", "column_reader",
            "encode_sequence"]
+
+A = TypeVar("A")  # what a column's arrays are: the arrays themselves, or where they are placed
 
 # The kinds of value, as stored in a column's ``kinds`` array.
 NONE, BOOL, INT, FLOAT, STR, BYTES = range(6)
@@ -38,28 +40,6 @@ VALUES = -1  # a sequence's arity when its elements are values, not tuples
 
 
 @dataclass(frozen=True)
-class ColumnArrays:
-    """One column, encoded: its kind (or ``MIXED``) and the arrays it needs (None: not needed)."""
-
-    kind: int
-    kinds: np.ndarray | None
-    words: np.ndarray | None
-    offsets: np.ndarray | None
-    blob: bytes | None
-
-
-@dataclass(frozen=True)
-class EncodedSequence:
-    """A sequence, encoded: ``length`` elements of ``arity`` values each (``VALUES``: bare
-    values), held in a ``container`` (``list`` or ``tuple``)."""
-
-    length: int
-    arity: int
-    container: type
-    columns: tuple[ColumnArrays, ...]
-
-
-@dataclass(frozen=True)
 class Part:
     """Where one array lives in a mapping: its byte offset and size."""
 
@@ -68,24 +48,35 @@ class Part:
 
 
 @dataclass(frozen=True)
-class ColumnLayout:
-    """A column as placed in a mapping (see :class:`ColumnArrays`)."""
+class Column(Generic[A]):
+    """One column: its kind (or ``MIXED``) and the arrays it needs (None: not needed), as
+    arrays once encoded, as :class:`Part` once placed in a mapping."""
 
     kind: int
-    kinds: Part | None
-    words: Part | None
-    offsets: Part | None
-    blob: Part | None
+    kinds: A | None
+    words: A | None
+    offsets: A | None
+    blob: A | None
+
+    def placed(self, put: Callable[[A | None], Part | None]) -> Column[Part]:
+        return Column(self.kind, put(self.kinds), put(self.words), put(self.offsets),
+                      put(self.blob))
 
 
 @dataclass(frozen=True)
-class SequenceLayout:
-    """A sequence as placed in a mapping: small and picklable, what a worker needs to read it."""
+class Layout(Generic[A]):
+    """A sequence: ``length`` elements of ``arity`` values each (``VALUES``: bare values) in a
+    ``container`` (``list`` or ``tuple``), and its columns. Placed in a mapping, it is small
+    and picklable: what a worker needs to read the sequence."""
 
     length: int
     arity: int
     container: type
-    columns: tuple[ColumnLayout, ...]
+    columns: tuple[Column[A], ...]
+
+
+EncodedSequence = Layout[np.ndarray | bytes]
+SequenceLayout = Layout[Part]
 
 
 # -- encoding ----------------------------------------------------------------------------------
@@ -110,10 +101,10 @@ def encode_sequence(sequence: Sequence[Any]) -> EncodedSequence | None:
         if column is None:
             return None
         encoded.append(column)
-    return EncodedSequence(len(sequence), arity, type(sequence), tuple(encoded))
+    return Layout(len(sequence), arity, type(sequence), tuple(encoded))
 
 
-def _encode_column(values: list[Any]) -> ColumnArrays | None:
+def _encode_column(values: list[Any]) -> Column[np.ndarray | bytes] | None:
     present = set(map(type, values))
     if not present <= _KIND_OF.keys():
         return None
@@ -146,7 +137,7 @@ def _encode_column(values: list[Any]) -> ColumnArrays | None:
         blob, lengths = _texts(chosen, all_str=texts == (STR,))
         offsets = np.zeros(len(values) + 1, np.int64)
         np.cumsum(_scatter(len(values), [(where, lengths)]), out=offsets[1:])
-    return ColumnArrays(kinds[0] if codes is None else MIXED, codes, words, offsets, blob)
+    return Column(kinds[0] if codes is None else MIXED, codes, words, offsets, blob)
 
 
 def _scatter(length: int, pieces: list[tuple[np.ndarray | None, np.ndarray]]) -> np.ndarray:
@@ -181,7 +172,7 @@ def _none(_: int) -> None:
     return None
 
 
-def column_reader(layout: ColumnLayout, memory: memoryview) -> Callable[[int], Any]:
+def column_reader(layout: Column[Part], memory: memoryview) -> Callable[[int], Any]:
     """A function from a position to the column's value there, read from ``memory``."""
 
     def view(part: Part | None, fmt: Any) -> Any:  # fmt: a struct format, "q", "d" or "B"

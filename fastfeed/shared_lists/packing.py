@@ -13,12 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fastfeed.shared_lists.columns import (
-    ColumnLayout,
-    EncodedSequence,
-    Part,
-    SequenceLayout,
-)
+from fastfeed.shared_lists.columns import EncodedSequence, Layout, Part, SequenceLayout
 from fastfeed.shared_lists.shared_list import SharedList
 from fastfeed.slots.memory import map_memfd, round_up
 
@@ -53,10 +48,8 @@ def place(sequences: Sequence[EncodedSequence]) -> Placement:
         return part
 
     layouts = tuple(
-        SequenceLayout(sequence.length, sequence.arity, sequence.container, tuple(
-            ColumnLayout(column.kind, put(column.kinds), put(column.words), put(column.offsets),
-                         put(column.blob))
-            for column in sequence.columns))
+        Layout(sequence.length, sequence.arity, sequence.container,
+               tuple(column.placed(put) for column in sequence.columns))
         for sequence in sequences)
     # A mapping is at least a page (a sequence of Nones needs no byte at all).
     return Placement(layouts, tuple(writes), round_up(max(end, 1), mmap.PAGESIZE))
