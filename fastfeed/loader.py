@@ -109,10 +109,11 @@ class FastLoader(DataLoader):
             and the datasets it wraps hold into one shared, read-only copy, which every worker
             reads in their place: a forked worker then never copies them as it reads them,
             and a spawned one is not sent them. The dataset in this process is unchanged;
-            persistent workers keep the copy taken as they started, as a fork would. In the
-            workers they read as a read-only sequence (not a ``list``) that raises
-            ``TypeError`` if changed: pass ``False`` for workers that change them in place.
-            Default: ``True``. See ``docs/memory.md``.
+            persistent workers keep the copy taken as they started, as a fork would. In a
+            worker each reads as a sequence that is not a ``list`` (``isinstance`` says so),
+            and a worker that changes one gets its own copy at its first change. ``False``:
+            the workers read the dataset's own lists. Default: ``True``. See
+            ``docs/memory.md``.
 
     Example:
         >>> from fastfeed import FastLoader as DataLoader

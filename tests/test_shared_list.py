@@ -39,12 +39,11 @@ def assert_exact(got, want):
     [i * 7 for i in range(1000)],
     [i / 3 for i in range(100)],
     [bytes([i % 256]) * (i % 4) for i in range(100)],
-    [None] * 10,
     [(f"/data/{i}.jpg", i % 3) for i in range(1000)],  # ImageFolder.samples
     [(i, None if i % 2 else "x", i / 2, b"b", i % 3 == 0) for i in range(300)],
     [()] * 5,
     tuple((f"p{i}", i) for i in range(50)),  # a tuple stays a tuple
-], ids=["mixed", "ascii", "utf8", "ints", "floats", "bytes", "nones", "samples", "rows",
+], ids=["mixed", "ascii", "utf8", "ints", "floats", "bytes", "samples", "rows",
         "empty-tuples", "tuple"])
 def test_every_element_reads_back_with_its_type(sequence):
     copy_ = shared(sequence)
@@ -75,15 +74,45 @@ def test_it_behaves_as_a_read_only_list():
         copy_["0"]
     with pytest.raises(TypeError, match="unhashable"):
         hash(copy_)
-    for change in (lambda s: s.append(1), lambda s: s.sort(), lambda s: s.__setitem__(0, 1),
-                   lambda s: s.pop(), lambda s: s.__delitem__(0)):
-        with pytest.raises(TypeError, match="share_lists=False"):
-            change(copy_)
-    assert copy_ == original  # unchanged
+    assert copy_ * 2 == original * 2 and 2 * copy_ == 2 * original
+
+
+CHANGES = [
+    lambda s: s.append(("y", 2)), lambda s: s.extend([("z", 3)]), lambda s: s.insert(1, ("w", 0)),
+    lambda s: s.remove(("/data/3.jpg", 3)), lambda s: s.pop(), lambda s: s.pop(0),
+    lambda s: s.clear(), lambda s: s.sort(reverse=True), lambda s: s.reverse(),
+    lambda s: s.__setitem__(0, ("v", 9)), lambda s: s.__setitem__(slice(2, 5), []),
+    lambda s: s.__delitem__(-1), lambda s: s.__iadd__([("u", 1)]), lambda s: s.__imul__(2),
+]
+
+
+@pytest.mark.parametrize("change", CHANGES)
+def test_a_change_makes_a_private_copy_as_a_list_would_change(change):
+    original = [(f"/data/{i}.jpg", i) for i in range(20)]
+    packed = encode_sequence(original)
+    memory = PackedLists.pack([packed])
+    copy_, expected = memory.lists[0], list(original)
+    assert change(copy_) == change(expected)  # what it returns: pop's element, None, itself
+    assert_exact(copy_[:], expected)
+    assert len(copy_) == len(expected) and list(copy_) == expected and copy_ == expected
+    assert memory.lists[0] is copy_ and PackedLists.attach(
+        memory.fd, memory.nbytes, memory.layouts).lists[0] == original  # the shared copy
+    memory.close_fd()
+
+
+def test_a_tuple_does_not_change():
+    copy_ = shared(tuple(range(300, 330)))
+    with pytest.raises(AttributeError):
+        copy_.append(1)
+    with pytest.raises(TypeError):
+        copy_[0] = 1
+    grown = copy_
+    grown += (1,)  # a new tuple, as for a tuple
+    assert type(grown) is tuple and len(grown) == 31 and len(copy_) == 30
 
 
 def test_a_tuple_is_hashable_and_copies_are_plain():
-    original = tuple(range(30))
+    original = tuple(range(300, 330))
     copy_ = shared(original)
     assert hash(copy_) == hash(original)
     for duplicate in (pickle.loads(pickle.dumps(copy_)), copy.copy(copy_), copy.deepcopy(copy_)):
@@ -101,6 +130,9 @@ def test_a_tuple_is_hashable_and_copies_are_plain():
     [("a", (1, 2))] * 2,  # nested tuples
     [("a", 1.0j)] * 2,  # complex
     [os.sep, bytearray(b"x")],  # bytearray is mutable
+    [None] * 20,  # one object each: reading them copies nothing
+    [True, False, None] * 10,
+    list(range(-5, 257)) * 2,  # CPython's small ints
 ])
 def test_anything_but_plain_values_is_left_alone(sequence):
     assert encode_sequence(sequence) is None

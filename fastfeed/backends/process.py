@@ -236,7 +236,9 @@ def stop_processes(workers: Sequence[ProcessWorker], grace: float,
         for worker in workers:
             if worker.process.exitcode is None:
                 worker.process.terminate()
-                worker.process.join(timeout=SHUTDOWN_GRACE)
+            # Joined even once exited (then at once): multiprocessing keeps every child it has
+            # not joined, and its pipes, until some later start() in this process.
+            worker.process.join(timeout=SHUTDOWN_GRACE)
         if then is not None and all(_exited(w.process) for w in workers):
             then()
 

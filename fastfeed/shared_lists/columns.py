@@ -83,7 +83,8 @@ SequenceLayout = Layout[Part]
 
 def encode_sequence(sequence: Sequence[Any]) -> EncodedSequence | None:
     """``sequence`` (a ``list`` or ``tuple``) as columns, or None if it holds anything but
-    values and tuples of values of one length (or an int beyond int64)."""
+    values and tuples of values of one length (or an int beyond int64), or only values of which
+    CPython keeps one object (reading those copies nothing)."""
     shapes = set(map(type, sequence))
     if shapes == {tuple}:
         arities = set(map(len, sequence))
@@ -101,7 +102,23 @@ def encode_sequence(sequence: Sequence[Any]) -> EncodedSequence | None:
         if column is None:
             return None
         encoded.append(column)
+    if arity == VALUES and _one_object_each(encoded[0]):
+        return None
     return Layout(len(sequence), arity, type(sequence), tuple(encoded))
+
+
+def _one_object_each(column: Column[np.ndarray | bytes]) -> bool:
+    """Whether each value of ``column`` is an object CPython keeps one of (``None``, the bools,
+    the small ints from -5 to 256): ``[None] * n`` or the class labels of CIFAR are never copied
+    by being read, since every element is the same few objects."""
+    kinds = np.full(1, column.kind) if column.kind != MIXED else np.asarray(column.kinds)
+    if not np.isin(kinds, (NONE, BOOL, INT)).all():
+        return False
+    if INT not in kinds:
+        return True
+    words = np.asarray(column.words)
+    ints = words if column.kind == INT else words[kinds == INT]
+    return int(ints.min()) >= -5 and int(ints.max()) <= 256
 
 
 def _encode_column(values: list[Any]) -> Column[np.ndarray | bytes] | None:
