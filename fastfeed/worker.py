@@ -91,10 +91,11 @@ def worker_loop(
     """
     config = received_config(config)  # first: the dataset reads its shared lists from here on
     kind = "thread" if config.thread else "process"
-    if not config.thread:
-        # Forked: what it inherited of the main process's loaders; and the inherited objects
-        # move out of reach of this process's garbage collector, whose full collections
-        # would otherwise write to (so copy) every page that holds one.
+    if threading.current_thread() is threading.main_thread():
+        # A worker process of its own (not a thread, nor a Ray actor's loop). Forked: it
+        # closes what it inherited of the main process's loaders, and the inherited objects
+        # move out of reach of its garbage collector, whose full collections would otherwise
+        # write to (so copy) every page that holds one.
         release_inherited(keep=(task_queue, result_queue))
         gc.freeze()
     where = f"in DataLoader worker {kind} {config.worker_id}"
