@@ -19,7 +19,7 @@ def _is_int(value: Any, minimum: int) -> bool:
 
 def check_arguments(*, dataset: Any, worker_mode: Any, ray_options: Any, deterministic: bool,
                     log_every: Any, ring_slots: Any, prefetch_depth: Any, gpu_transform: Any,
-                    device: Any) -> dict[str, Any] | None:
+                    device: Any, share_lists: Any = True) -> dict[str, Any] | None:
     """Raise on an argument FastLoader cannot take; return where the workers go, as the
     ``worker_mode``'s backend checked ``ray_options`` (None for a backend that takes none).
 
@@ -38,6 +38,8 @@ def check_arguments(*, dataset: Any, worker_mode: Any, ray_options: Any, determi
         raise TypeError(f"gpu_transform should be callable, got {type(gpu_transform).__name__}")
     if gpu_transform is not None and device is None:
         raise ValueError("gpu_transform runs on the device: pass device='cuda' (or 'cpu')")
+    if not isinstance(share_lists, bool):
+        raise TypeError(f"share_lists should be a bool, got {type(share_lists).__name__}")
     return placement
 
 

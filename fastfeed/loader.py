@@ -102,6 +102,17 @@ class FastLoader(DataLoader):
             on which worker reads it: reproducible under auto-tuning and across resumes.
         log_every (int, optional): log (or print, if logging is not configured) a one-line
             :meth:`stats` summary every ``log_every`` batches.
+        share_lists (bool): when process workers start, pack the large lists and tuples of plain
+            values (``str``, ``bytes``, ``int``, ``float``, ``bool``, ``None`` and tuples of
+            them, 10,000 elements or more, such as ``ImageFolder.samples``) that the dataset
+            and the datasets it wraps hold into one shared, read-only copy, which every worker
+            reads in their place: a forked worker then never copies them as it reads them,
+            and a spawned one is not sent them. The dataset in this process is unchanged;
+            persistent workers keep the copy taken as they started, as a fork would. In a
+            worker each reads as a sequence that is not a ``list`` (``isinstance`` says so),
+            and a worker that changes one gets its own copy at its first change. ``False``:
+            the workers read the dataset's own lists. Default: ``True``. See
+            ``docs/memory.md``.
 
     Example:
         >>> from fastfeed import FastLoader as DataLoader
@@ -138,11 +149,13 @@ class FastLoader(DataLoader):
         ray_options: dict[str, Any] | None = None,
         deterministic: bool = False,
         log_every: int | None = None,
+        share_lists: bool = True,
     ) -> None:
         self._placement = check_arguments(
             dataset=dataset, worker_mode=worker_mode, ray_options=ray_options,
             deterministic=deterministic, log_every=log_every, ring_slots=ring_slots,
-            prefetch_depth=prefetch_depth, gpu_transform=gpu_transform, device=device)
+            prefetch_depth=prefetch_depth, gpu_transform=gpu_transform, device=device,
+            share_lists=share_lists)
         self.autotune = num_workers == "auto"
         self._max_workers = 0  # the tuner's bound, with num_workers="auto"
         if self.autotune:  # this machine's cores, or a cluster's free resources
@@ -161,6 +174,7 @@ class FastLoader(DataLoader):
         self.ray_options = ray_options
         self.deterministic = deterministic
         self.log_every = log_every
+        self.share_lists = share_lists
         self._init_runtime()
         with cores_warning_muted(worker_mode):
             super().__init__(
@@ -245,7 +259,8 @@ class FastLoader(DataLoader):
         options = PoolOptions(
             worker_mode=self.worker_mode, placement=self._placement,
             ring_slots=self.ring_slots, deterministic=self.deterministic,
-            autotune=self.autotune, max_workers=self._max_workers)
+            autotune=self.autotune, max_workers=self._max_workers,
+            share_lists=self.share_lists)
         return self._planner.setup(self, options, plan.host)
 
     def state_dict(self) -> dict[str, Any]:

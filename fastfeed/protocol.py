@@ -32,6 +32,7 @@ Rules both sides rely on:
 from __future__ import annotations
 
 import ctypes
+import mmap
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -65,6 +66,8 @@ class _SharedValues(Protocol):
 
     def RawValue(self, typecode: Any, *args: Any) -> Any: ...
 
+    def get_start_method(self) -> str: ...
+
 
 class ShutdownFlag:
     """Set once, when the pool shuts down: a worker then skips the tasks still queued.
@@ -72,12 +75,19 @@ class ShutdownFlag:
     A ``c_bool`` without a lock, on purpose: a lock shared with workers can be left held by one
     that is killed, and the main process would hang on it while shutting down. Its memory is
     shared with the worker processes of ``context`` when one is given (it travels to them as
-    they start), else this process's own (thread workers, a Ray actor's loop).
+    they start), else this process's own (thread workers, a Ray actor's loop). Forked workers
+    inherit an anonymous shared mapping, which takes no descriptor; multiprocessing's
+    ``RawValue``, which spawned ones need, holds a ``/dev/shm`` file open (twice: the file,
+    and its mapping's duplicate) for the rest of the process.
     """
 
     def __init__(self, context: _SharedValues | None = None) -> None:
-        self._value = (ctypes.c_bool(False) if context is None
-                       else context.RawValue(ctypes.c_bool, False))
+        if context is None:
+            self._value = ctypes.c_bool(False)
+        elif context.get_start_method() == "fork":
+            self._value = ctypes.c_bool.from_buffer(mmap.mmap(-1, 1))
+        else:
+            self._value = context.RawValue(ctypes.c_bool, False)
 
     def set(self) -> None:
         self._value.value = True

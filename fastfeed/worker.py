@@ -117,6 +117,8 @@ def worker_loop(
                 message = task_queue.get(timeout=WATCHDOG_INTERVAL)
             except queue.Empty:
                 continue
+            except EOFError:  # the main process closed the queue's one writing end: it is gone
+                break
             if isinstance(message, Stop):
                 break
             if isinstance(message, StartEpoch):

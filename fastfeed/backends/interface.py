@@ -49,12 +49,15 @@ class BackendArgs:
         placement: where the workers go, as :meth:`WorkerBackend.placement` checked it.
         landing_tail: finishes each batch as this process lands it (a backend whose traits
             say it lands batches; see :mod:`fastfeed.tail_split`).
+        share_lists: workers that own their process read the dataset's large lists from one
+            shared copy (:mod:`fastfeed.shared_lists`).
     """
 
     slot_pool: SlotPool | None = None
     multiprocessing_context: Any = None
     placement: dict[str, Any] | None = None
     landing_tail: Callable[[Any, Empty], Any] | None = None
+    share_lists: bool = True
 
 
 @dataclass(frozen=True)

@@ -7,19 +7,21 @@ is told of the pool's slots.
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import signal
 import threading
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 from typing import Any, ClassVar
 
 import torch
 
+from fastfeed import inherited_fds
 from fastfeed.backends.interface import (
     ABANDONED_GRACE,
     SHUTDOWN_GRACE,
@@ -29,6 +31,7 @@ from fastfeed.backends.interface import (
     QueueFedWorker,
 )
 from fastfeed.protocol import ShutdownFlag, SlotAdded, SlotDropped, Stop, WorkerConfig
+from fastfeed.shared_lists import ListsHandOff, ListsSnapshot, received_config
 from fastfeed.slots.control import ControlPipe
 from fastfeed.worker import own_process, worker_loop
 
@@ -90,9 +93,15 @@ class ProcessWorker(QueueFedWorker):
         return f"killed by signal {signum} ({name}).{hint}"
 
 
-def _run_worker(config: WorkerConfig, task_queue: Any, result_queue: Any,
+def _run_worker(config: WorkerConfig | ListsHandOff, task_queue: Any, result_queue: Any,
                 shutting_down: ShutdownFlag, control: ControlPipe | None) -> None:
     """A worker process's whole life."""
+    config = received_config(config)  # first: the dataset reads its shared lists from here on
+    # Forked, it closes what it inherited of the main process's loaders, and the inherited
+    # objects move out of reach of its garbage collector, whose full collections would
+    # otherwise write to (so copy) every page that holds one.
+    inherited_fds.release_inherited(keep=(task_queue, result_queue))
+    gc.freeze()
     worker_loop(config, task_queue, result_queue, shutting_down, control, own_process,
                 "process")
     if shutting_down.is_set():
@@ -103,7 +112,9 @@ def _run_worker(config: WorkerConfig, task_queue: Any, result_queue: Any,
 
 class ProcessBackend(OnThisMachine):
     """Worker processes from the loader's ``multiprocessing_context`` (fork, spawn or
-    forkserver; torch's default without one), fed through its slot pool (if any)."""
+    forkserver; torch's default without one), fed through its slot pool (if any); with
+    ``share_lists``, they read the dataset's large lists from one shared copy
+    (:mod:`fastfeed.shared_lists`)."""
 
     name: ClassVar[str] = "process"
     traits: ClassVar[BackendTraits] = BackendTraits(uses_slot_pool=True)
@@ -115,6 +126,9 @@ class ProcessBackend(OnThisMachine):
         self._results = context.Queue()
         self._shutting_down = ShutdownFlag(context)
         self.workers: list[ProcessWorker] = []
+        self._share_lists = args.share_lists
+        self._lists: ListsSnapshot | None = None  # taken as the first worker starts
+        inherited_fds.register(self)
 
     def start(self, config: WorkerConfig) -> ProcessWorker:
         task_queue = self._context.Queue()
@@ -124,23 +138,54 @@ class ProcessBackend(OnThisMachine):
             control, worker_control = ControlPipe.pair()
         process = self._context.Process(
             target=_run_worker,
-            args=(config, task_queue, self._results, self._shutting_down, worker_control),
+            args=(self._lists_snapshot(config).hand_off(config), task_queue, self._results,
+                  self._shutting_down, worker_control),
             daemon=True,
         )
         worker = ProcessWorker(config.worker_id, process, task_queue, control)
+        # Listed before it starts: forked, it finds its own main-side ends here, to close them.
+        self.workers.append(worker)
         try:
             process.start()
-        except (TypeError, AttributeError, pickle.PicklingError):
-            warnings.warn(_PICKLE_ERROR, stacklevel=2)  # torch's warning, for spawn/forkserver
+        except BaseException as error:
+            self.workers.remove(worker)
+            if isinstance(error, (TypeError, AttributeError, pickle.PicklingError)):
+                warnings.warn(_PICKLE_ERROR, stacklevel=2)  # torch's, for spawn/forkserver
             raise
         finally:
             if worker_control is not None:
                 worker_control.close()  # the worker has its own end now, or never will
-        self.workers.append(worker)
+        _close_ends(task_queue, reading=True)  # the worker reads it; this process only writes
         if self._slot_pool is not None:
             # A worker added late maps the slots that exist already.
             worker.announce_slots(self._slot_pool.slots(), [])
         return worker
+
+    def _lists_snapshot(self, config: WorkerConfig) -> ListsSnapshot:
+        """The dataset's lists as all of this pool's workers read them: packed once, when the
+        first starts, as a fork gives workers the dataset as it is when they start."""
+        if self._lists is None:
+            forking = self._context.get_start_method() == "fork"
+            self._lists = (ListsSnapshot.take(config.dataset, keep_fd=not forking)
+                           if self._share_lists else ListsSnapshot([], None))
+        return self._lists
+
+    def release_inherited(self, keep: Collection[object]) -> None:
+        """In a forked worker: close this backend's pipes, but for the worker's own queues
+        (in ``keep``) the ends it uses (see :mod:`fastfeed.inherited_fds`)."""
+        for queue in (self._results, *(worker.task_queue for worker in self.workers)):
+            # The worker reads its task queue, and writes the results: the reading end it
+            # keeps too, so that a write after the main process is gone is not an EPIPE
+            # traceback from the queue's feeder thread.
+            mine = queue in keep
+            _close_ends(queue, reading=not mine, writing=not mine or queue is not self._results)
+        for worker in self.workers:
+            if worker.control is not None:
+                worker.control.close()  # the main process's end (the worker's is not listed)
+            for fd in _parent_ends(worker.process):
+                os.close(fd)
+        if self._lists is not None:
+            self._lists.close()
 
     def shutdown(self, wait: bool = True, then: Callable[[], None] | None = None) -> None:
         """Ask the workers to exit, then join them (terminating any still busy after the
@@ -174,6 +219,28 @@ class ProcessBackend(OnThisMachine):
                 worker.control.close()
         self._results.cancel_join_thread()
         self._results.close()
+        if self._lists is not None:
+            self._lists.close()
+
+
+def _close_ends(queue: Any, reading: bool = False, writing: bool = False) -> None:
+    """Close the ends of a multiprocessing queue's pipe that this process never uses: every
+    process that has a ``Queue`` holds both (its ``_reader`` and ``_writer``, the same since
+    Python 3.4), and a descriptor each is what the stock loader's processes pay."""
+    if reading:
+        queue._reader.close()
+    if writing:
+        queue._writer.close()
+
+
+def _parent_ends(process: BaseProcess) -> tuple[int, ...]:
+    """The descriptors the parent holds for a started process: its sentinel, and the end
+    whose closing tells the process its parent is gone. multiprocessing keeps them only in
+    the arguments of the finaliser that closes them (its ``Popen.finalizer``, the same since
+    Python 3.8); none for the process being forked, which has no ``Popen`` yet."""
+    finalizer = getattr(getattr(process, "_popen", None), "finalizer", None)
+    arguments = getattr(finalizer, "_args", None)
+    return tuple(arguments) if arguments else ()
 
 
 def stop_processes(workers: Sequence[ProcessWorker], grace: float,
@@ -191,7 +258,9 @@ def stop_processes(workers: Sequence[ProcessWorker], grace: float,
     finally:
         for worker in _running(workers):
             worker.process.terminate()
-        _join(_running(workers), SHUTDOWN_GRACE)
+        # Every one joined, even once exited (then at once): multiprocessing keeps each child
+        # it has not joined, and its pipes, until some later start() in this process.
+        _join(workers, SHUTDOWN_GRACE)
         killed = _running(workers)
         for worker in killed:
             worker.process.kill()

@@ -98,6 +98,8 @@ class WorkerCrew:
         if created or retired:
             for worker in self.table.mapping_slots():
                 worker.handle.announce_slots(created, retired)
+            if self._slot_pool is not None:
+                self._slot_pool.announced(created)
 
     # -- hearing from the workers ------------------------------------------------------------
     def next_answer(self) -> Answer | EpochStarted:

@@ -69,7 +69,8 @@ class WorkerPoolIterator(BaseIterator):
         # The loader gives one to the backends whose batches use it.
         self.slot_pool = setup.slot_pool
         backend = setup.backend(BackendArgs(self.slot_pool, loader.multiprocessing_context,
-                                            setup.placement, setup.host.tail.landing_tail))
+                                            setup.placement, setup.host.tail.landing_tail,
+                                            setup.share_lists))
         self._crew = WorkerCrew(backend, self._book, self.slot_pool, self._timeout)
         # Dropped without close() (a break, an error, an abandoned epoch), the iterator's
         # workers are stopped by a finaliser that holds the crew, not by __del__: collected
@@ -88,6 +89,8 @@ class WorkerPoolIterator(BaseIterator):
         except BaseException:
             self._crew.shutdown()
             raise
+        if self.slot_pool is not None and self._persistent_workers and setup.tuner is None:
+            self.slot_pool.seal()  # these workers are the last to map its slots
         self._size_slot_pool()
         self._tuning = (None if setup.tuner is None else TuningWindows(
             setup.tuner, self._table.active_tasks(), self._telemetry.waited,

@@ -91,6 +91,7 @@ class IteratorSetup:
     ring_slots: int | None = None
     deterministic: bool = False
     host: HostPlan = field(default_factory=HostPlan)  # the epoch's, for this iterator
+    share_lists: bool = True  # process workers read the dataset's large lists from one copy
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,7 @@ class PoolOptions:
     deterministic: bool = False
     autotune: bool = False
     max_workers: int = 0
+    share_lists: bool = True
 
 
 class IteratorPlanner:
@@ -158,6 +160,7 @@ class IteratorPlanner:
             ring_slots=options.ring_slots,
             deterministic=options.deterministic,
             host=host,
+            share_lists=options.share_lists,
         )
 
     def _backend(self, loader: DataLoader, options: PoolOptions) -> type[WorkerBackend]:
@@ -185,7 +188,7 @@ class IteratorPlanner:
         (docs/design.md, invariant 2)."""
         if not backend.traits.uses_slot_pool or ring_slots == 0 or not slots_supported():
             return None
-        if self.slot_pool is None:
+        if self.slot_pool is None or self.slot_pool.sealed:  # a sealed one has no descriptors
             pin = None if copy_device is None else Pinner(copy_device)
             self.slot_pool = SlotPool(max_slots=0, pin=pin)
         return self.slot_pool

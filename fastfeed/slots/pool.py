@@ -33,11 +33,13 @@ import os
 import threading
 import warnings
 import weakref
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 
+from fastfeed import inherited_fds
 from fastfeed._proc import available_memory
 from fastfeed.protocol import SlotAdded
 from fastfeed.slots.memory import map_slot, new_memfd, round_up
@@ -110,7 +112,14 @@ class _Slot:
 
     def added(self) -> SlotAdded:
         """The message that tells a worker of this slot."""
+        assert self.fd >= 0, "a sealed slot pool's slot cannot be announced again"
         return SlotAdded(self.slot_id, self.nbytes, self.fd)
+
+    def close_fd(self) -> None:
+        """Close the slot's descriptor (the mapping stays): once, whoever calls first."""
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
 
     def copies_done(self) -> bool:
         """Drop the fences that completed; True when none is left."""
@@ -173,6 +182,8 @@ class SlotPool:
         self._varies = False
         self._closer = weakref.finalize(self, _close_slots, self._slots)
         self._closer.atexit = False
+        self.sealed = False  # no new worker will map these slots (see seal)
+        inherited_fds.register(self)
 
     # -- sizing ------------------------------------------------------------------------------
     def fit_batches_of(self, nbytes: int) -> None:
@@ -306,6 +317,32 @@ class SlotPool:
         with self._lock:
             self._closer()
 
+    def seal(self) -> None:
+        """No worker will start with this slot pool any more (persistent workers that the tuner
+        does not grow): keep no descriptor for the slots, only their mappings, and close each
+        new slot's once :meth:`announced`. The workers hold the slots, not their descriptors,
+        so the main process then holds no more descriptors than the stock loader's."""
+        with self._lock:
+            self.sealed = True
+            for slot in self._slots.values():
+                slot.close_fd()
+
+    def release_inherited(self, keep: Collection[object]) -> None:
+        """In a forked worker, which maps the slots it is sent: close every slot's descriptor
+        (see :mod:`fastfeed.inherited_fds`)."""
+        for slot in list(self._slots.values()):
+            slot.close_fd()
+
+    def announced(self, created: list[SlotAdded]) -> None:
+        """Every worker was told of the ``created`` slots: a sealed pool closes their
+        descriptors."""
+        if self.sealed and created:
+            with self._lock:
+                for added in created:
+                    slot = self._slots.get(added.slot_id)
+                    if slot is not None:
+                        slot.close_fd()
+
     def slots(self) -> list[SlotAdded]:
         """Every live slot, for a worker that starts late."""
         with self._lock:
@@ -351,7 +388,7 @@ class SlotPool:
 
     def _drop(self, slot_id: int) -> None:
         # Only reusable slots are dropped: no lease, no copy still reading them.
-        os.close(self._slots.pop(slot_id).fd)
+        self._slots.pop(slot_id).close_fd()
 
     def _fits_in_memory(self) -> bool:
         available = available_memory()
@@ -383,5 +420,5 @@ def _close_slots(slots: dict[int, _Slot]) -> None:
         for fence in slot.fences:
             fence.synchronize()
         slot.fences.clear()
-        os.close(slot.fd)
+        slot.close_fd()
     slots.clear()
