@@ -26,7 +26,6 @@ every fence on it reports completion, whatever path dropped the batch.
 from __future__ import annotations
 
 import collections
-import enum
 import logging
 import mmap
 import os
@@ -34,8 +33,6 @@ import threading
 import warnings
 import weakref
 from collections.abc import Collection
-from dataclasses import dataclass, field
-from typing import Protocol
 
 import numpy as np
 
@@ -44,6 +41,14 @@ from fastfeed._proc import available_memory
 from fastfeed.protocol import SlotAdded
 from fastfeed.slots.memory import map_slot, new_memfd, round_up
 from fastfeed.slots.page_lock import Pinner
+from fastfeed.slots.slot import (
+    Fence,
+    Slot,
+    SlotOwnershipError,
+    SlotState,
+    Ticket,
+    close_slots,
+)
 
 __all__ = ["Fence", "Lease", "SlotOwnershipError", "SlotPool", "Ticket", "slot_budget"]
 
@@ -69,67 +74,6 @@ def slot_budget(tasks_in_flight: int, held_by_prefetch: int = 0,
     return tasks_in_flight + _SPARE_SLOTS + held_by_prefetch
 
 
-class SlotOwnershipError(RuntimeError):
-    """A ticket was used after its slot changed hands (a double release, a stale lease)."""
-
-
-class Fence(Protocol):
-    """What :meth:`Lease.fence` needs of an event: ``torch.cuda.Event`` is one."""
-
-    def query(self) -> bool: ...
-
-    def synchronize(self) -> None: ...
-
-
-@dataclass(frozen=True)
-class Ticket:
-    """The right to one use of a slot: the slot, and which of its hand-outs this is."""
-
-    slot_id: int
-    generation: int
-
-
-class _State(enum.Enum):
-    FREE = "free"
-    ASSIGNED = "assigned"  # a task's worker may be writing it
-    LEASED = "leased"  # views of it are alive in the main process
-
-
-@dataclass(eq=False)
-class _Slot:
-    slot_id: int
-    nbytes: int
-    fd: int
-    memory: np.ndarray  # uint8 view of the whole mapping; leases are views of it
-    pinned: bool
-    state: _State = _State.FREE
-    generation: int = 0
-    fences: list[Fence] = field(default_factory=list)
-
-    @property
-    def address(self) -> int:
-        return int(self.memory.ctypes.data)
-
-    def added(self) -> SlotAdded:
-        """The message that tells a worker of this slot."""
-        assert self.fd >= 0, "a sealed slot pool's slot cannot be announced again"
-        return SlotAdded(self.slot_id, self.nbytes, self.fd)
-
-    def close_fd(self) -> None:
-        """Close the slot's descriptor (the mapping stays): once, whoever calls first."""
-        fd, self.fd = self.fd, -1
-        if fd >= 0:
-            os.close(fd)
-
-    def copies_done(self) -> bool:
-        """Drop the fences that completed; True when none is left."""
-        self.fences = [fence for fence in self.fences if not fence.query()]
-        return not self.fences
-
-    def reusable(self) -> bool:
-        return self.state is _State.FREE and self.copies_done()
-
-
 class Lease:
     """One batch's hold on a slot.
 
@@ -144,7 +88,7 @@ class Lease:
     __slots__ = ("_slot", "_slot_pool", "memory", "views")
 
     def __init__(self, memory: np.ndarray, slot_pool: SlotPool | None = None,
-                 slot: _Slot | None = None) -> None:
+                 slot: Slot | None = None) -> None:
         self.memory = memory
         self._slot_pool = slot_pool
         self._slot = slot
@@ -171,7 +115,7 @@ class SlotPool:
         self.max_slots = max_slots
         self.pin = pin
         self.slot_bytes = round_up(slot_bytes, mmap.PAGESIZE)
-        self._slots: dict[int, _Slot] = {}
+        self._slots: dict[int, Slot] = {}
         self._next_id = 0
         # Leases die in whatever thread the garbage collector runs, possibly inside acquire()
         # on this very thread: their finalisers only append here (atomic), never lock.
@@ -180,7 +124,7 @@ class SlotPool:
         self._warned_memory = False
         self._seen: int | None = None
         self._varies = False
-        self._closer = weakref.finalize(self, _close_slots, self._slots)
+        self._closer = weakref.finalize(self, close_slots, self._slots)
         self._closer.atexit = False
         self.sealed = False  # no new worker will map these slots (see seal)
         inherited_fds.register(self)
@@ -242,7 +186,7 @@ class SlotPool:
                 created.append(slot.added())
             if slot is None:
                 return None, created, retired
-            slot.state = _State.ASSIGNED
+            slot.state = SlotState.ASSIGNED
             slot.generation += 1
             return Ticket(slot.slot_id, slot.generation), created, retired
 
@@ -253,14 +197,14 @@ class SlotPool:
             # tickets back): there is nothing left to give back to.
             return
         with self._lock:
-            slot = self._owned(ticket, _State.ASSIGNED, "release")
+            slot = self._owned(ticket, SlotState.ASSIGNED, "release")
             if slot is not None:
-                slot.state = _State.FREE
+                slot.state = SlotState.FREE
 
     def lease(self, ticket: Ticket) -> Lease:
         """Turn ``ticket`` into its batch's lease; the slot returns when the views die."""
         with self._lock:
-            slot = self._owned(ticket, _State.ASSIGNED, "lease")
+            slot = self._owned(ticket, SlotState.ASSIGNED, "lease")
             if slot is None:
                 raise SlotOwnershipError(f"slot {ticket.slot_id} was reused before its batch "
                                          "was read")
@@ -271,7 +215,7 @@ class SlotPool:
         itself (workers on a cluster send theirs through Ray's object store)."""
         with self._lock:
             slot = self._slots[slot_id]
-            assert slot.state is _State.ASSIGNED, slot
+            assert slot.state is SlotState.ASSIGNED, slot
             return slot.memory
 
     def adopt(self, fd: int) -> tuple[Lease, list[SlotAdded]]:
@@ -299,15 +243,15 @@ class SlotPool:
             if fd >= 0:
                 os.close(fd)  # a one-off mapping holds its memory; nothing else needs the fd
 
-    def _lease(self, slot: _Slot) -> Lease:
+    def _lease(self, slot: Slot) -> Lease:
         # Under the lock, so that nothing sees the slot between hand-out and lease.
-        slot.state = _State.LEASED
+        slot.state = SlotState.LEASED
         memory = slot.memory.view()
         weakref.finalize(memory, self._returned.append,
                          (slot.slot_id, slot.generation)).atexit = False
         return Lease(memory, self, slot)
 
-    def _fence(self, slot: _Slot, fence: Fence) -> None:
+    def _fence(self, slot: Slot, fence: Fence) -> None:
         with self._lock:
             slot.fences.append(fence)
 
@@ -348,7 +292,7 @@ class SlotPool:
         with self._lock:
             return [s.added() for s in self._slots.values()]
 
-    def _owned(self, ticket: Ticket, state: _State, action: str) -> _Slot | None:
+    def _owned(self, ticket: Ticket, state: SlotState, action: str) -> Slot | None:
         """The ticket's slot if the ticket still owns it in ``state``; else report misuse."""
         slot = self._slots.get(ticket.slot_id)
         if slot is not None and slot.generation == ticket.generation and slot.state is state:
@@ -366,12 +310,12 @@ class SlotPool:
             slot_id, generation = self._returned.popleft()
             slot = self._slots.get(slot_id)
             if slot is not None and slot.generation == generation:
-                slot.state = _State.FREE
+                slot.state = SlotState.FREE
 
-    def _create(self, nbytes: int) -> _Slot:
+    def _create(self, nbytes: int) -> Slot:
         return self._install(new_memfd(f"fastfeed-slot-{self._next_id}", nbytes), nbytes)
 
-    def _install(self, fd: int, nbytes: int) -> _Slot:
+    def _install(self, fd: int, nbytes: int) -> Slot:
         """Make the memory behind ``fd`` (owned from now on) the slot pool's next slot."""
         try:
             memory = np.frombuffer(map_slot(fd, nbytes), dtype=np.uint8)
@@ -379,7 +323,7 @@ class SlotPool:
         except BaseException:
             os.close(fd)
             raise
-        slot = _Slot(self._next_id, nbytes, fd, memory, pinned)
+        slot = Slot(self._next_id, nbytes, fd, memory, pinned)
         self._slots[slot.slot_id] = slot
         self._next_id += 1
         logger.debug("slot pool: created slot %d of %d bytes (pinned: %s)", slot.slot_id, nbytes,
@@ -412,13 +356,3 @@ class SlotPool:
     def __setstate__(self, state: dict) -> None:
         self.__init__(**state)  # type: ignore[misc]
 
-
-def _close_slots(slots: dict[int, _Slot]) -> None:
-    """Close every slot, after the copies still reading any of them (shutdown only: the
-    mapping of a slot nothing leases goes with it, and a copy engine may still read it)."""
-    for slot in slots.values():
-        for fence in slot.fences:
-            fence.synchronize()
-        slot.fences.clear()
-        slot.close_fd()
-    slots.clear()
