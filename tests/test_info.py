@@ -43,7 +43,18 @@ def test_nvml_fails_soft():
         assert facts["NVML"].startswith("unavailable (") and facts["GPU"] == "none"
 
 
-def test_info_says_what_each_feature_needs_and_the_line_that_brings_it(tmp_path, monkeypatch):
+@pytest.fixture
+def modules_forgotten():
+    """Whatever the test imports is forgotten after it: a namespace package imported from a
+    test's folder would otherwise be what later tests of this process get for its name."""
+    before = set(sys.modules)
+    yield
+    for name in set(sys.modules) - before:
+        del sys.modules[name]
+
+
+def test_info_says_what_each_feature_needs_and_the_line_that_brings_it(tmp_path, monkeypatch,
+                                                                       modules_forgotten):
     (tmp_path / "ray").mkdir()  # imports as a namespace package from here: not Ray
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
