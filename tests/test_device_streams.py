@@ -5,6 +5,7 @@ FastLoader's real copy path; the device runs only when the test says, in the ord
 expose a broken rule."""
 
 import dataclasses
+import threading
 
 import cuda_model
 import pytest
@@ -15,6 +16,7 @@ from torch.utils.data import DataLoader, Dataset, default_collate, get_worker_in
 
 from fastfeed import FastLoader
 from fastfeed.device import StreamCopier
+from fastfeed.device.prefetch import DeviceIterator
 from fastfeed.iterators import HostBatch
 from fastfeed.telemetry import Telemetry
 from fastfeed.tree import map_tensors
@@ -214,6 +216,70 @@ def test_a_host_blocking_transform_runs_off_the_training_thread(gpu):
     gpu.run()
     assert_same(reference(dataset), on_host(gpu, got))
     assert gpu.syncs and gpu.syncs_in("MainThread") == []
+
+
+class ListHost:
+    """A host iterator over ``batches`` that notes when it closes (its slots with it)."""
+
+    base_seed = 0
+
+    def __init__(self, batches, events):
+        self._batches, self._events, self._at = batches, events, 0
+
+    def next_host_batch(self):
+        if self._at == len(self._batches):
+            raise StopIteration
+        self._at += 1
+        return HostBatch(self._batches[self._at - 1], None)
+
+    def position(self):
+        return self._at
+
+    def state_at(self, position):
+        return position
+
+    def close(self):
+        self._events.append("slots closed")
+
+    def __len__(self):
+        return len(self._batches)
+
+
+class SecondCopyHeld:
+    """A copier whose second copy runs until released, and notes when it fenced its slot."""
+
+    def __init__(self, events):
+        self.events, self.started, self.release = events, threading.Event(), threading.Event()
+        self._copies = 0
+
+    def producer(self):
+        return None
+
+    def copy(self, host, transform, telemetry, producer):
+        self._copies += 1
+        if self._copies == 2:
+            self.started.set()
+            self.release.wait()
+            self.events.append("copy fenced")
+        return host.batch, None
+
+
+def test_closing_waits_for_the_copy_on_the_helper_before_the_slots_close():
+    # The helper's copy fences its slot as it returns: slots closed before that would be
+    # unmapped (and unregistered) under a copy engine still reading them.
+    events = []
+    copier = SecondCopyHeld(events)
+    transform = type("Blocks", (), {"blocks_host": True, "__call__": lambda self, b: b})()
+    iterator = DeviceIterator(ListHost([[1], [2], [3]], events), copier, depth=2,
+                              transform=transform, telemetry=Telemetry())
+    assert next(iterator) == [1]
+    assert copier.started.wait(30)
+    closing = threading.Thread(target=iterator.close)
+    closing.start()
+    closing.join(1)  # a close that does not wait has closed the slots by now
+    copier.release.set()
+    closing.join()
+    assert events == ["copy fenced", "slots closed"]
 
 
 def test_the_ultralytics_pixel_ops_make_no_host_sync_per_batch(gpu):

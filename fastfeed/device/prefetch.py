@@ -109,7 +109,9 @@ class DeviceIterator(AheadOfConsumer):
         self._ready.clear()
         self._exhausted = True
         if self._helper is not None:
-            self._helper.shutdown(wait=False, cancel_futures=True)
+            # A copy still running on the helper fences its slot only as it returns: closing
+            # the slots before that would unmap memory a copy engine may still be reading.
+            self._helper.shutdown(wait=True, cancel_futures=True)
         self._host.close()
 
     def _fill(self) -> None:
