@@ -2,6 +2,7 @@
 (``cuda_model``): the devices a rank touches, device memory, the decoders' errors and streams,
 the first batch's Triton compile and the doctor's GPU clock."""
 
+import ctypes
 import io
 
 import cuda_model
@@ -208,6 +209,21 @@ def test_the_doctors_gpu_clock_reads_the_gpu_the_rank_trains_on(monkeypatch):
     assert gpu.contexts == {1}
 
 
+def test_the_doctors_gpu_clock_never_fails_a_rank_given_several_gpus(monkeypatch):
+    # Two GPUs per rank (CUDA_VISIBLE_DEVICES), LOCAL_RANK 3: no GPU of this process is
+    # LOCAL_RANK's, and the script's next() must not raise for the doctor's sake.
+    from fastfeed.doctor.gpu_waits import GpuWaits
+
+    gpu = cuda_model.install(monkeypatch, cuda_model.Gpu(devices=2))
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    waits = GpuWaits()
+    mark = waits.request()
+    waits.deliver(0, mark)
+    waits.finish()
+    assert list(waits.idle_s) == [0]
+    assert mark.recorded.stream is gpu.current_stream(0)
+
+
 # -- device memory ---------------------------------------------------------------------------------
 
 def imagenet_like_files(count, seed=0):
@@ -353,3 +369,27 @@ def test_fastfeeds_streams_are_made_in_their_devices_context_none_of_torchs_pool
     assert gpu.contexts == {2}
     pooled = {torch.cuda.Stream(device) for device in range(3) for _ in range(32)}
     assert copy.device_index == 2 and copy not in pooled
+
+
+def test_a_decode_on_another_gpu_than_the_threads_makes_no_context_on_the_threads(monkeypatch):
+    # The decode stream's context used to rely on its caller's device guard: called from a
+    # thread whose device is 0 (a gpu_transform of the user's, or DecodeCrops by hand), leaving
+    # it restored GPU 0's stream by setting device 0.
+    from fastfeed.vision.jpeg_decoders import _on_decode_stream
+
+    gpu = cuda_model.install(monkeypatch, cuda_model.Gpu(devices=2))
+    images = _on_decode_stream(lambda: [torch.empty(4, device="cuda:1")], torch.device("cuda", 1))
+    assert images[0].device == torch.device("cuda", 1)
+    assert gpu.contexts == {1} and torch.cuda.current_device() == 0
+
+def test_on_rocm_fastfeeds_streams_are_torchs_pooled_ones(monkeypatch):
+    # ROCm's torch runs HIP under torch.cuda and maps no libcuda: asking the driver for a
+    # stream failed every loader with device="cuda".
+    from fastfeed.device import own_streams
+
+    cuda_model.install(monkeypatch, cuda_model.Gpu(devices=2))
+    monkeypatch.setattr(torch.version, "hip", "6.4.0")
+    monkeypatch.setattr(own_streams, "libcuda", lambda: ctypes.CDLL("libcuda-of-no-one.so"))
+    copy = own_streams.own_stream(torch.device("cuda", 1), "copy")
+    assert copy.device_index == 1
+    assert copy in {torch.cuda.Stream(1) for _ in range(32)}

@@ -15,6 +15,9 @@ for the call and popped after. The thread's current device is not touched: no
 
 A failure (no driver mapped, a driver older than the runtime) is raised with the driver's own
 error, and remembered: asking again raises it again without calling the driver.
+
+On ROCm there is no libcuda (torch's ``cuda`` is HIP there): the streams are then torch's
+pooled ones, shared as above.
 """
 
 from __future__ import annotations
@@ -70,6 +73,14 @@ def create_stream(lib: Any, index: int) -> int:
     return int(stream.value or 0)
 
 
+def _new_stream(index: int) -> Any:
+    """A stream of device ``index``: made through the driver, or on ROCm torch's pooled one."""
+    device = torch.device("cuda", index)
+    if torch.version.hip:
+        return torch.cuda.Stream(device)
+    return torch.cuda.ExternalStream(create_stream(libcuda(), index), device=device)
+
+
 _streams: dict[tuple[str, int], Any] = {}  # (purpose, device index) -> stream, or its error
 _lock = threading.Lock()
 os.register_at_fork(after_in_child=_streams.clear)  # CUDA objects do not cross a fork
@@ -87,8 +98,7 @@ def own_stream(device: torch.device, purpose: str) -> Any:
         stream = _streams.get((purpose, index))
         if stream is None:
             try:
-                handle = create_stream(libcuda(), index)
-                stream = torch.cuda.ExternalStream(handle, device=torch.device("cuda", index))
+                stream = _new_stream(index)
             except (OSError, OwnStreamError) as error:  # OSError: no driver library
                 stream = OwnStreamError(f"fastfeed cannot make its {purpose} stream on "
                                         f"cuda:{index}: {error}")

@@ -53,7 +53,12 @@ def _timing_event() -> Event:
 
 def _training_stream() -> Any:
     """The current stream of the GPU the script trains on (see the module's notes)."""
-    return torch.cuda.current_stream(resolve_device("cuda"))
+    try:
+        return torch.cuda.current_stream(resolve_device("cuda"))
+    except ValueError:
+        # LOCAL_RANK names no GPU this process sees (a rank given several GPUs): the script
+        # picks its GPUs itself, and the doctor must not fail its next() over it.
+        return torch.cuda.current_stream()
 
 
 class GpuWaits:

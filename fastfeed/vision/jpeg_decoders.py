@@ -91,7 +91,9 @@ def _on_decode_stream(decode: Callable[[], list[torch.Tensor]], device: torch.de
     stream = own_stream(device, "decode")  # its failure is no file's: raised as it is
     caller = torch.cuda.current_stream(device)
     try:
-        with torch.cuda.stream(stream):
+        # The device too, not only its stream: leaving a stream context on another device
+        # restores this thread's previous stream by setting its device (a context on GPU 0).
+        with torch.cuda.device(device), torch.cuda.stream(stream):
             images = decode()
     except RuntimeError as error:
         sorted_error = _sorted_error(error)
