@@ -9,15 +9,23 @@ main process registers here, and closes them in the child through the objects th
 so that nothing closes the same number again later (by then perhaps a file the dataset opened).
 
 Descriptors of the user's own (a file the dataset opened before the fork) are never touched.
+
+A descriptor is closed in the child only while it is still the file it was made for: the
+parent may have been closing it on another thread as the worker was forked (a queue's feeder
+thread closes its pipe, then forgets the number), and the number may by then name whatever the
+parent opened next, the worker's own queue among them. So each connection's file is
+remembered as it is made (device and inode), and compared before the close.
 """
 
 from __future__ import annotations
 
+import os
 import weakref
 from collections.abc import Collection
+from multiprocessing.connection import Connection
 from typing import Protocol
 
-__all__ = ["Inherited", "register", "release_inherited"]
+__all__ = ["Inherited", "close_connection", "register", "release_inherited", "remember"]
 
 
 class Inherited(Protocol):
@@ -43,3 +51,31 @@ def release_inherited(keep: Collection[object]) -> None:
     worker's own (nothing is registered in a spawned worker)."""
     for owner in list(_owners):
         owner.release_inherited(keep)
+
+
+_files: weakref.WeakKeyDictionary[Connection, tuple[int, int]] = weakref.WeakKeyDictionary()
+
+
+def _file(fd: int) -> tuple[int, int]:
+    status = os.fstat(fd)
+    return status.st_dev, status.st_ino
+
+
+def remember(*connections: Connection) -> None:
+    """Note the file of each of ``connections`` (just made), for :func:`close_connection`."""
+    for connection in connections:
+        _files[connection] = _file(connection.fileno())
+
+
+def close_connection(connection: Connection) -> None:
+    """In a forked worker: close an inherited ``connection`` of the parent's, if its
+    descriptor is still the file :func:`remember` noted (see the module's notes). Either way,
+    the connection forgets the number, so that it never closes it later."""
+    fd, connection._handle = connection._handle, None  # type: ignore[attr-defined]
+    if fd is None:
+        return
+    try:
+        if _files.get(connection) == _file(fd):
+            os.close(fd)
+    except OSError:  # closed in the parent since: nothing to close
+        pass

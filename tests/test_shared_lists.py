@@ -249,6 +249,25 @@ def test_no_more_descriptors_than_torch():
     assert firsts[-1] == firsts[0], firsts
 
 
+def test_a_worker_forked_while_the_parent_closes_a_pipe_keeps_its_own_queues():
+    # A queue's feeder thread closes its pipe's descriptor, then forgets the number: a worker
+    # forked between the two inherited a connection naming a number the parent had since
+    # reused (for that worker's own queues, made just before), and closed it. The worker then
+    # never answered (seen once in CI, as the next epoch's workers started).
+    first = FastLoader(FolderIndex(), batch_size=100, num_workers=2, persistent_workers=True)
+    list(first)
+    writer = first._iterator._crew._backend.workers[0].task_queue._writer
+    number = writer.fileno()
+    os.close(number)  # the feeder thread's first step; its second, forgetting it, not yet
+    try:
+        second = FastLoader(FolderIndex(), batch_size=100, num_workers=2, timeout=30)
+        assert [batch[1].tolist() for batch in second] == \
+            [batch[1].tolist() for batch in DataLoader(FolderIndex(), batch_size=100)]
+    finally:
+        writer._handle = None  # the second step: this process must not close the number again
+    del first
+
+
 @pytest.mark.parametrize("context", CONTEXTS)
 @pytest.mark.parametrize("persistent", [False, True])
 def test_no_leaks(context, persistent):

@@ -123,7 +123,7 @@ class ProcessBackend(OnThisMachine):
         context: Any = args.multiprocessing_context or torch.multiprocessing
         self._context = context
         self._slot_pool = args.slot_pool
-        self._results = context.Queue()
+        self._results = _queue(context)
         self._shutting_down = ShutdownFlag(context)
         self.workers: list[ProcessWorker] = []
         self._share_lists = args.share_lists
@@ -131,7 +131,7 @@ class ProcessBackend(OnThisMachine):
         inherited_fds.register(self)
 
     def start(self, config: WorkerConfig) -> ProcessWorker:
-        task_queue = self._context.Queue()
+        task_queue = _queue(self._context)
         task_queue.cancel_join_thread()
         control = worker_control = None
         if self._slot_pool is not None:
@@ -155,7 +155,8 @@ class ProcessBackend(OnThisMachine):
         finally:
             if worker_control is not None:
                 worker_control.close()  # the worker has its own end now, or never will
-        _close_ends(task_queue, reading=True)  # the worker reads it; this process only writes
+        for end in _ends(task_queue, reading=True):  # the worker reads it; this process writes
+            end.close()
         if self._slot_pool is not None:
             # A worker added late maps the slots that exist already.
             worker.announce_slots(self._slot_pool.slots(), [])
@@ -178,10 +179,12 @@ class ProcessBackend(OnThisMachine):
             # keeps too, so that a write after the main process is gone is not an EPIPE
             # traceback from the queue's feeder thread.
             mine = queue in keep
-            _close_ends(queue, reading=not mine, writing=not mine or queue is not self._results)
+            for end in _ends(queue, reading=not mine,
+                             writing=not mine or queue is not self._results):
+                inherited_fds.close_connection(end)
         for worker in self.workers:
             if worker.control is not None:
-                worker.control.close()  # the main process's end (the worker's is not listed)
+                worker.control.release_inherited()  # the main process's end
             for fd in _parent_ends(worker.process):
                 os.close(fd)
         if self._lists is not None:
@@ -223,24 +226,34 @@ class ProcessBackend(OnThisMachine):
             self._lists.close()
 
 
-def _close_ends(queue: Any, reading: bool = False, writing: bool = False) -> None:
-    """Close the ends of a multiprocessing queue's pipe that this process never uses: every
-    process that has a ``Queue`` holds both (its ``_reader`` and ``_writer``, the same since
-    Python 3.4), and a descriptor each is what the stock loader's processes pay."""
-    if reading:
-        queue._reader.close()
-    if writing:
-        queue._writer.close()
+def _queue(context: Any) -> Any:
+    """A multiprocessing queue of ``context``, its pipe's files remembered for the workers
+    forked later (:func:`fastfeed.inherited_fds.close_connection`)."""
+    queue = context.Queue()
+    inherited_fds.remember(queue._reader, queue._writer)
+    return queue
+
+
+def _ends(queue: Any, reading: bool = False, writing: bool = False) -> list[Any]:
+    """The ends of a multiprocessing queue's pipe that a process never uses: every process
+    that has a ``Queue`` holds both (its ``_reader`` and ``_writer``, the same since Python
+    3.4), and a descriptor each is what the stock loader's processes pay."""
+    return [end for end, unused in ((queue._reader, reading), (queue._writer, writing))
+            if unused]
 
 
 def _parent_ends(process: BaseProcess) -> tuple[int, ...]:
     """The descriptors the parent holds for a started process: its sentinel, and the end
-    whose closing tells the process its parent is gone. multiprocessing keeps them only in
-    the arguments of the finaliser that closes them (its ``Popen.finalizer``, the same since
-    Python 3.8); none for the process being forked, which has no ``Popen`` yet."""
+    whose closing tells the process its parent is gone, while the parent had not begun to
+    close them. multiprocessing keeps them only in the arguments of the finaliser that closes
+    them (its ``Popen.finalizer``, the same since Python 3.8); none for the process being
+    forked, which has no ``Popen`` yet."""
     finalizer = getattr(getattr(process, "_popen", None), "finalizer", None)
-    arguments = getattr(finalizer, "_args", None)
-    return tuple(arguments) if arguments else ()
+    # Unregistered as it starts to close them: in a parent thread as this worker was forked,
+    # perhaps, and the numbers reused since.
+    if finalizer is None or not finalizer.still_active():
+        return ()
+    return tuple(finalizer._args or ())
 
 
 def stop_processes(workers: Sequence[ProcessWorker], grace: float,

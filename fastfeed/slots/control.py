@@ -16,6 +16,7 @@ import struct
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
 
+from fastfeed import inherited_fds
 from fastfeed.protocol import SlotAdded, SlotDropped
 
 __all__ = ["ControlPipe"]
@@ -50,7 +51,9 @@ class ControlPipe:
     def pair(cls) -> tuple[ControlPipe, ControlPipe]:
         """``(main end, worker end)``."""
         main, worker = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        return cls(Connection(main.detach())), cls(Connection(worker.detach()))
+        ends = Connection(main.detach()), Connection(worker.detach())
+        inherited_fds.remember(*ends)
+        return cls(ends[0]), cls(ends[1])
 
     def send(self, message: SlotAdded | SlotDropped) -> None:
         """Send ``message`` (and, for a ``SlotAdded``, its descriptor).
@@ -93,3 +96,7 @@ class ControlPipe:
 
     def close(self) -> None:
         self._end.close()
+
+    def release_inherited(self) -> None:
+        """In a forked worker: close this end, inherited (see :mod:`fastfeed.inherited_fds`)."""
+        inherited_fds.close_connection(self._end)
