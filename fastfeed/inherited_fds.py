@@ -13,8 +13,8 @@ Descriptors of the user's own (a file the dataset opened before the fork) are ne
 A descriptor is closed in the child only while it is still the file it was made for: the
 parent may have been closing it on another thread as the worker was forked (a queue's feeder
 thread closes its pipe, then forgets the number), and the number may by then name whatever the
-parent opened next, the worker's own queue among them. So each connection's file is
-remembered as it is made (device and inode), and compared before the close.
+parent opened next, the worker's own queue among them. So each descriptor's file (device and
+inode) is remembered as it is made, and compared before the close.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from collections.abc import Collection
 from multiprocessing.connection import Connection
 from typing import Protocol
 
-__all__ = ["Inherited", "close_connection", "register", "release_inherited", "remember"]
+__all__ = ["File", "Inherited", "close_connection", "close_if_same", "file_of", "register",
+           "release_inherited", "remember"]
 
 
 class Inherited(Protocol):
@@ -53,29 +54,37 @@ def release_inherited(keep: Collection[object]) -> None:
         owner.release_inherited(keep)
 
 
-_files: weakref.WeakKeyDictionary[Connection, tuple[int, int]] = weakref.WeakKeyDictionary()
+File = tuple[int, int]  # a descriptor's file: its device and inode
+
+_files: weakref.WeakKeyDictionary[Connection, File] = weakref.WeakKeyDictionary()
 
 
-def _file(fd: int) -> tuple[int, int]:
+def file_of(fd: int) -> File:
+    """The file descriptor ``fd`` is open on, for :func:`close_if_same` in a forked worker."""
     status = os.fstat(fd)
     return status.st_dev, status.st_ino
+
+
+def close_if_same(fd: int, file: File | None) -> None:
+    """In a forked worker: close the inherited ``fd`` if it is still ``file`` (see the
+    module's notes)."""
+    try:
+        if file is not None and file_of(fd) == file:
+            os.close(fd)
+    except OSError:  # closed in the parent since: nothing to close
+        pass
 
 
 def remember(*connections: Connection) -> None:
     """Note the file of each of ``connections`` (just made), for :func:`close_connection`."""
     for connection in connections:
-        _files[connection] = _file(connection.fileno())
+        _files[connection] = file_of(connection.fileno())
 
 
 def close_connection(connection: Connection) -> None:
     """In a forked worker: close an inherited ``connection`` of the parent's, if its
-    descriptor is still the file :func:`remember` noted (see the module's notes). Either way,
-    the connection forgets the number, so that it never closes it later."""
+    descriptor is still the file :func:`remember` noted. Either way, the connection forgets
+    the number, so that it never closes it later."""
     fd, connection._handle = connection._handle, None  # type: ignore[attr-defined]
-    if fd is None:
-        return
-    try:
-        if _files.get(connection) == _file(fd):
-            os.close(fd)
-    except OSError:  # closed in the parent since: nothing to close
-        pass
+    if fd is not None:
+        close_if_same(fd, _files.get(connection))

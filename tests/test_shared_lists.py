@@ -249,22 +249,38 @@ def test_no_more_descriptors_than_torch():
     assert firsts[-1] == firsts[0], firsts
 
 
-def test_a_worker_forked_while_the_parent_closes_a_pipe_keeps_its_own_queues():
-    # A queue's feeder thread closes its pipe's descriptor, then forgets the number: a worker
-    # forked between the two inherited a connection naming a number the parent had since
-    # reused (for that worker's own queues, made just before), and closed it. The worker then
-    # never answered (seen once in CI, as the next epoch's workers started).
+def closing_a_queue(worker):
+    """A worker's task queue pipe, half closed as its feeder thread closes it: the descriptor
+    closed, the number not yet forgotten. Returns the second half."""
+    writer = worker.task_queue._writer
+    os.close(writer.fileno())
+    return lambda: setattr(writer, "_handle", None)
+
+
+def closing_a_process(worker):
+    """A worker's process handle, half closed as its finaliser closes it (the descriptors
+    closed, the finaliser not yet unregistered). Returns the second half."""
+    finalizer = worker.process._popen.finalizer
+    for fd in finalizer._args:
+        os.close(fd)
+    return finalizer.cancel
+
+
+@pytest.mark.parametrize("closing", [closing_a_queue, closing_a_process])
+def test_a_worker_forked_while_the_parent_closes_a_pipe_keeps_its_own_queues(closing):
+    # A thread of the parent closes a descriptor, then forgets the number: a worker forked
+    # between the two inherited an object naming a number the parent had since reused (for
+    # that worker's own queues, made just before), and closed it. The worker then never
+    # answered (seen once in CI, as the next epoch's workers started).
     first = FastLoader(FolderIndex(), batch_size=100, num_workers=2, persistent_workers=True)
     list(first)
-    writer = first._iterator._crew._backend.workers[0].task_queue._writer
-    number = writer.fileno()
-    os.close(number)  # the feeder thread's first step; its second, forgetting it, not yet
+    forget = closing(first._iterator._crew._backend.workers[0])
     try:
         second = FastLoader(FolderIndex(), batch_size=100, num_workers=2, timeout=30)
         assert [batch[1].tolist() for batch in second] == \
             [batch[1].tolist() for batch in DataLoader(FolderIndex(), batch_size=100)]
     finally:
-        writer._handle = None  # the second step: this process must not close the number again
+        forget()  # this process must not close those numbers again
     del first
 
 

@@ -15,7 +15,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
 from typing import Any, ClassVar
 
@@ -54,6 +54,8 @@ class ProcessWorker(QueueFedWorker):
     process: BaseProcess
     task_queue: Any
     control: ControlPipe | None = None
+    #: This process's descriptors for the worker process, and their files (once started).
+    parent_ends: dict[int, inherited_fds.File] = field(default_factory=dict)
 
     @property
     def pid(self) -> int | None:
@@ -155,6 +157,7 @@ class ProcessBackend(OnThisMachine):
         finally:
             if worker_control is not None:
                 worker_control.close()  # the worker has its own end now, or never will
+        worker.parent_ends = {fd: inherited_fds.file_of(fd) for fd in _parent_ends(process)}
         for end in _ends(task_queue, reading=True):  # the worker reads it; this process writes
             end.close()
         if self._slot_pool is not None:
@@ -185,8 +188,8 @@ class ProcessBackend(OnThisMachine):
         for worker in self.workers:
             if worker.control is not None:
                 worker.control.release_inherited()  # the main process's end
-            for fd in _parent_ends(worker.process):
-                os.close(fd)
+            for fd, file in worker.parent_ends.items():
+                inherited_fds.close_if_same(fd, file)
         if self._lists is not None:
             self._lists.close()
 
@@ -244,16 +247,12 @@ def _ends(queue: Any, reading: bool = False, writing: bool = False) -> list[Any]
 
 def _parent_ends(process: BaseProcess) -> tuple[int, ...]:
     """The descriptors the parent holds for a started process: its sentinel, and the end
-    whose closing tells the process its parent is gone, while the parent had not begun to
-    close them. multiprocessing keeps them only in the arguments of the finaliser that closes
-    them (its ``Popen.finalizer``, the same since Python 3.8); none for the process being
-    forked, which has no ``Popen`` yet."""
+    whose closing tells the process its parent is gone. multiprocessing keeps them only in
+    the arguments of the finaliser that closes them (its ``Popen.finalizer``, the same since
+    Python 3.8); none for the process being forked, which has no ``Popen`` yet."""
     finalizer = getattr(getattr(process, "_popen", None), "finalizer", None)
-    # Unregistered as it starts to close them: in a parent thread as this worker was forked,
-    # perhaps, and the numbers reused since.
-    if finalizer is None or not finalizer.still_active():
-        return ()
-    return tuple(finalizer._args or ())
+    arguments = getattr(finalizer, "_args", None)
+    return tuple(arguments) if arguments else ()
 
 
 def stop_processes(workers: Sequence[ProcessWorker], grace: float,
