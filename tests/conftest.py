@@ -12,6 +12,15 @@ os.environ["FASTFEED_STRICT_RING"] = "1"
 if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
+# FASTFEED_TEST_START_METHOD=forkserver runs the suite as on Python 3.14 (see
+# start_method/sitecustomize.py): this interpreter, and each one it starts, defaults to it.
+if os.environ.get("FASTFEED_TEST_START_METHOD"):
+    _folder = str(Path(__file__).parent / "start_method")
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [_folder, *filter(None, [os.environ.get("PYTHONPATH")])])
+    sys.path.insert(0, _folder)
+    import sitecustomize  # noqa: F401  (this interpreter started before PYTHONPATH named it)
+
 import pytest
 import torch
 

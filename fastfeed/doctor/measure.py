@@ -23,6 +23,7 @@ from fastfeed.doctor.loaders import LoaderSpec
 from fastfeed.doctor.probe import LoaderTrace, Probe
 from fastfeed.doctor.recommend import recommend
 from fastfeed.doctor.settings import Settings
+from fastfeed.doctor.stage_worker import profile_in_worker
 from fastfeed.doctor.stages import COLLATE, StageCost, most_samples_per_s, profile_samples
 from fastfeed.doctor.system import ProcessTree, usage_between
 from fastfeed.doctor.trials import (
@@ -192,9 +193,15 @@ def _startup_share(diagnosis: Diagnosis, spec: LoaderSpec, steps: Steps) -> floa
 
 def _profile(diagnosis: Diagnosis, spec: LoaderSpec, settings: Settings
              ) -> tuple[list[StageCost], Any]:
+    collate_fn = spec.arguments.get("collate_fn")
     try:
-        return profile_samples(spec.dataset, spec.arguments.get("collate_fn"), spec.batch_size,
-                               settings.profile_seconds, threads=None if spec.workers == 0 else 1)
+        if spec.workers == 0:  # the main process does the work, with its own threads
+            return profile_samples(spec.dataset, collate_fn, spec.batch_size,
+                                   settings.profile_seconds, threads=None)
+        return profile_in_worker(spec.dataset, collate_fn, spec.batch_size,
+                                 settings.profile_seconds,
+                                 spec.arguments.get("multiprocessing_context"),
+                                 spec.arguments.get("worker_init_fn"))
     except Exception as error:  # the user's dataset, read again: report, never crash
         diagnosis.notes.append(f"per-sample stages not measured: {type(error).__name__}: "
                                f"{error}")
