@@ -1,27 +1,36 @@
 """What the CPU model of CUDA (``tests/cuda_model``) only stands in for, measured on a GPU.
 
-    python benchmarks/gpu_paths.py --device cuda --json gpu_paths.json
-    python benchmarks/gpu_paths.py --device cpu    # the plumbing: the same code, no CUDA figures
+    python benchmarks/gpu_paths.py --json gpu_paths.json [--parts memory,oom]
+    python benchmarks/on_cuda_model.py benchmarks/gpu_paths.py --batch 16   # the plumbing
 
-- ``memory``: the GPU decode route (decode and resize) over batches of ``--batch`` ImageNet-like
-  crops (500x375 and the like, four 5-megapixel photos): torch's peak reserved memory above the
-  start per batch, and the device memory outside torch's allocator (nvJPEG's own).
+Each part runs in a fresh interpreter (a context, a kernel, a sized decoder or a cache that one
+part made must not count in the next), and its result is written to ``--json`` as it ends, so
+a run cut short keeps the parts that ran. Each result has a ``verdict``: ``ok``, ``failed: ...``
+(the exit status is then 1), or ``n/a: ...`` where the part cannot apply here, with why.
+
+- ``pinned``: the slots of a ``device="cuda"`` loader's slot pool are page-locked (CUDA's own
+  answer, ``is_pinned``): else every copy from them is a synchronous pageable copy.
+- ``memory``: an epoch of the GPU decode route through FastLoader (the copy and decode streams'
+  caches included) over batches of ``--batch`` ImageNet-like crops (500x375 and the like, four
+  5-megapixel photos): torch's peak reserved memory above what it held before the loader, after
+  each batch (the peak so far, never reset), and the device memory outside torch's allocator
+  (nvJPEG's own); which decoder ran.
 - ``contexts``: the devices holding this process's CUDA context after an epoch of a loader on
   the last GPU (``cuda:N``, a script that never calls ``set_device``) with a transform on the
-  device stage's helper thread: only N should (with one GPU: the index the loader was given).
-- ``triton``: the first batch's wait of a loader with Ultralytics' GPU pixel ops, Triton's cache
-  cold (a new ``TRITON_CACHE_DIR``), against the next epoch's.
-- ``oom``: the GPU decode with torch's cache holding almost all free memory (decoded after the
-  flush, or not), and under a memory fraction too small for the batch (the error raised).
-
-``contexts`` and ``triton`` run in a fresh interpreter each: a context, or a kernel, this
-process made first would count.
+  device stage's helper thread: only N should. With one GPU it proves nothing: n/a.
+- ``triton``: the first batch's wait of a loader with Ultralytics' GPU pixel ops in a fresh
+  process with Triton's cache cold (a new ``TRITON_CACHE_DIR``), then in another with it warm:
+  worker start-up is in both.
+- ``oom``: the first GPU-decode batch through FastLoader's ``next()``, in a fresh process whose
+  decoder is not sized yet, with all but ``--left-mib`` of the device's free memory taken: held
+  by torch's cache (``cached``: decoded, after a release of torch's cache where nvJPEG's own
+  allocation failed; the retries counted) or in use (``in use``: ``torch.OutOfMemoryError``),
+  then ``close()``, which must return.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import math
 import os
@@ -31,13 +40,19 @@ import sys
 import tempfile
 import time
 from io import BytesIO
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from PIL import Image
 
-PARTS = ("memory", "contexts", "triton", "oom")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from on_cuda_model import python_command
+
+PARTS = ("pinned", "memory", "contexts", "triton", "oom")
+ONE = ("pinned", "memory", "contexts", "triton cold", "triton warm", "oom cached", "oom in use")
 
 
 def imagenet_like(count: int, seed: int = 0) -> tuple[list[bytes], list[tuple[int, int]]]:
@@ -55,14 +70,22 @@ def imagenet_like(count: int, seed: int = 0) -> tuple[list[bytes], list[tuple[in
     return files, sizes
 
 
-def crops_batch(files: list[bytes], sizes: list[tuple[int, int]], rng: random.Random
-                ) -> dict[str, Any]:
-    """The files with RandomResizedCrop windows to 224, collated as the workers do."""
-    from fastfeed.vision.gpu_decode import EncodedCrop, collate_crops
-    from fastfeed.vision.resample import crop_geometry
+class Crops(torch.utils.data.Dataset):
+    """ImageNet-like files, each with a RandomResizedCrop window to 224, as the GPU decode
+    route's workers hand them over (``EncodedCrop``, a label)."""
 
-    crops = []
-    for data, (w, h) in zip(files, sizes, strict=True):
+    def __init__(self, count: int) -> None:
+        self.files, self.sizes = imagenet_like(count)
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, index: int) -> tuple[Any, int]:
+        from fastfeed.vision.gpu_decode import EncodedCrop
+        from fastfeed.vision.resample import crop_geometry
+
+        rng = random.Random(index)
+        w, h = self.sizes[index]
         while True:
             area = w * h * rng.uniform(0.08, 1.0)
             ratio = math.exp(rng.uniform(math.log(3 / 4), math.log(4 / 3)))
@@ -71,64 +94,60 @@ def crops_batch(files: list[bytes], sizes: list[tuple[int, int]], rng: random.Ra
                 break
         geometry = crop_geometry((rng.randint(0, w - cw), rng.randint(0, h - ch), cw, ch),
                                  (224, 224), flip=rng.random() < 0.5)
-        crops.append(EncodedCrop.encoded(data, geometry, "synthetic.JPEG"))
-    return collate_crops(crops)
+        return EncodedCrop.encoded(self.files[index], geometry, f"{index}.JPEG"), index
 
 
-def pillow_decode(files: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    """The plumbing's decoder (no GPU decoder is needed on the CPU)."""
-    return [torch.from_numpy(np.array(Image.open(BytesIO(f.numpy().tobytes())).convert("RGB"))
-                             ).permute(2, 0, 1).contiguous() for f in files]
+def decode_loader(args: argparse.Namespace, decode: Any, batches: int = 1) -> Any:
+    from fastfeed import FastLoader
+    from fastfeed.vision.gpu_decode import encoded_collate
+
+    return FastLoader(Crops(args.batch * batches), batch_size=args.batch, num_workers=2,
+                      device="cuda", collate_fn=encoded_collate, gpu_transform=decode)
 
 
-def decode_batches(device: torch.device, count: int, batches: int) -> list[dict[str, Any]]:
+def pinned(args: argparse.Namespace) -> dict[str, Any]:
+    from torch.utils.data import TensorDataset
+
+    from fastfeed import FastLoader
+
+    data = TensorDataset(torch.randn(64, 3, 64, 64), torch.arange(64))
+    loader = FastLoader(data, batch_size=8, num_workers=2, device="cuda")
+    pageable = []
+    checked = 0
+    for _ in loader:
+        for slot in loader._telemetry.slot_pool._slots.values():
+            checked += 1
+            if not torch.from_numpy(slot.memory).is_pinned():
+                pageable.append(slot.slot_id)
+    verdict = ("failed: the loader yielded nothing" if not checked else
+               f"failed: pageable slots {sorted(set(pageable))}" if pageable else "ok")
+    return {"verdict": verdict, "slot_readings": checked}
+
+
+def memory(args: argparse.Namespace) -> dict[str, Any]:
+    from fastfeed.vision import jpeg_decoders
     from fastfeed.vision.gpu_decode import DecodeCrops
 
-    files, sizes = imagenet_like(count)
-    rng = random.Random(1)
-    decode = DecodeCrops(decoder=None if device.type == "cuda" else pillow_decode)
+    torch.zeros(1, device="cuda")  # the context, before the baseline
+    torch.cuda.synchronize()
+    base, free_before = torch.cuda.memory_reserved(), torch.cuda.mem_get_info()[0]
+    torch.cuda.reset_peak_memory_stats()
+    decode = DecodeCrops()
     rows = []
-    for index in range(batches):
-        crops = crops_batch(files, sizes, rng)
-        crops["pixels"] = torch.empty((0, 3, 224, 224), dtype=torch.uint8, device=device)
-        row: dict[str, Any] = {"batch": index}
-        start = time.perf_counter()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-            base = torch.cuda.memory_reserved()
-            free_before = torch.cuda.mem_get_info()[0]
-            torch.cuda.reset_peak_memory_stats()
-            images = decode.images(crops)
-            torch.cuda.synchronize()
-            row["peak_reserved_gib"] = (torch.cuda.max_memory_reserved() - base) / 2**30
-            outside = free_before - torch.cuda.mem_get_info()[0] - (
-                torch.cuda.memory_reserved() - base)
-            row["outside_torch_gib"] = outside / 2**30  # nvJPEG's, kept by its decoder
-        else:
-            images = decode.images(crops)
-        row["seconds"] = time.perf_counter() - start
-        row["shape"] = list(images.shape)
-        rows.append(row)
+    start = time.perf_counter()
+    for images, _ in decode_loader(args, decode, args.batches):
+        torch.cuda.synchronize()
+        reserved = torch.cuda.memory_reserved()
+        rows.append({"peak_reserved_gib": (torch.cuda.max_memory_reserved() - base) / 2**30,
+                     "outside_torch_gib": (free_before - torch.cuda.mem_get_info()[0]
+                                           - (reserved - base)) / 2**30,
+                     "shape": list(images.shape)})
         del images
-    return rows
-
-
-def active_contexts() -> list[int]:
-    """The devices whose primary context this process holds (the driver's own answer)."""
-    from fastfeed.device.own_streams import libcuda
-
-    lib = libcuda()
-    lib.cuInit(0)
-    count = ctypes.c_int()
-    lib.cuDeviceGetCount(ctypes.byref(count))
-    active = []
-    for index in range(count.value):
-        device, flags, state = ctypes.c_int(), ctypes.c_uint(), ctypes.c_int()
-        lib.cuDeviceGet(ctypes.byref(device), index)
-        lib.cuDevicePrimaryCtxGetState(device, ctypes.byref(flags), ctypes.byref(state))
-        if state.value:
-            active.append(index)
-    return active
+    return {"verdict": "ok" if len(rows) == args.batches else f"failed: {len(rows)} batches",
+            "decoder": jpeg_decoders.describe(), "batch": args.batch,
+            "seconds": time.perf_counter() - start,
+            "peak_reserved_gib": max(r["peak_reserved_gib"] for r in rows),
+            "outside_torch_gib": rows[-1]["outside_torch_gib"], "batches": rows}
 
 
 class OnTheHelper:
@@ -140,141 +159,151 @@ class OnTheHelper:
         return [batch[0] * 2, batch[1]]
 
 
-def contexts() -> dict[str, Any]:
+def contexts(args: argparse.Namespace) -> dict[str, Any]:
     from torch.utils.data import TensorDataset
 
     from fastfeed import FastLoader
+    from fastfeed._torch_compat import has_primary_context
 
-    last = torch.cuda.device_count() - 1
+    count = torch.cuda.device_count()
+    if count < 2:
+        return {"verdict": "n/a: one GPU (a context on a GPU the loader does not use needs a "
+                           "second one to show)"}
+    last = count - 1
     data = TensorDataset(torch.randn(64, 3, 32, 32), torch.arange(64))
     loader = FastLoader(data, batch_size=8, num_workers=2, device=f"cuda:{last}",
                         gpu_transform=OnTheHelper())
     for images, _ in loader:
         images.sum()
-    torch.cuda.synchronize(last)
-    return {"loader_device": last, "contexts": active_contexts(),
-            "ok": active_contexts() == [last]}
+    with torch.cuda.device(last):
+        torch.cuda.synchronize()
+    held = [index for index in range(count) if has_primary_context(index)]
+    return {"verdict": "ok" if held == [last] else f"failed: contexts on {held}",
+            "loader_device": last, "contexts": held}
 
 
-def recorded_samples(count: int, size: int = 640) -> Any:
-    from fastfeed.ultralytics.gpu_augment import (
-        HSV_FLAG,
-        LUT_KEY,
-        PARAM_COLUMNS,
-        PARAMS_KEY,
-        REGION_KEY,
-        SIZE_KEY,
-    )
-    from fastfeed.ultralytics.pixel_ops import source_region
+def triton(args: argparse.Namespace) -> dict[str, Any]:
+    from test_pixel_ops_launches import RecordedSamples, listed  # the tests' recorded samples
 
-    class Recorded(torch.utils.data.Dataset):
-        def __len__(self) -> int:
-            return count
-
-        def __getitem__(self, index: int) -> dict[str, Any]:
-            canvas = torch.randint(0, 256, (2 * size, 2 * size, 3), dtype=torch.uint8,
-                                   generator=torch.Generator().manual_seed(index))
-            matrix = np.diag([0.5, 0.5, 1.0])
-            left, top, right, bottom = source_region(matrix, (size, size), 2 * size, 2 * size)
-            params = torch.zeros(PARAM_COLUMNS, dtype=torch.float64)
-            params[:6] = torch.from_numpy(matrix[:2].ravel())
-            params[HSV_FLAG] = 1
-            lut = (torch.arange(256) % 180).to(torch.uint8).expand(3, 256).contiguous()
-            return {"img": canvas[top:bottom, left:right], PARAMS_KEY: params, LUT_KEY: lut,
-                    REGION_KEY: torch.tensor([bottom - top, right - left, left, top]),
-                    SIZE_KEY: (size, size)}
-
-    return Recorded()
-
-
-def listed(samples: list[dict[str, Any]]) -> dict[str, list[Any]]:
-    return {key: [sample[key] for sample in samples] for key in samples[0]}
-
-
-def triton() -> dict[str, Any]:
     from fastfeed import FastLoader
     from fastfeed.ultralytics.gpu_augment import CanvasCollate, PixelOps
 
-    loader = FastLoader(recorded_samples(64), batch_size=16, num_workers=4, device="cuda",
-                        collate_fn=CanvasCollate(listed), persistent_workers=True,
-                        gpu_transform=PixelOps(truncate_hsv=True))
-    waits = []
-    for _ in range(2):
-        start = time.perf_counter()
-        batches = iter(loader)
-        next(batches)
-        torch.cuda.synchronize()
-        waits.append(time.perf_counter() - start)
-        for _ in batches:
-            pass
-    return {"first_batch_cold_s": waits[0], "first_batch_warm_s": waits[1],
-            "triton_cache": os.environ.get("TRITON_CACHE_DIR")}
+    loader = FastLoader(RecordedSamples(), batch_size=4, num_workers=2, device="cuda",
+                        collate_fn=CanvasCollate(listed), gpu_transform=PixelOps(truncate_hsv=True))
+    start = time.perf_counter()
+    batches = iter(loader)
+    next(batches)
+    torch.cuda.synchronize()
+    return {"first_batch_s": time.perf_counter() - start}
 
 
-def oom(count: int) -> dict[str, Any]:
+def oom(args: argparse.Namespace, case: str) -> dict[str, Any]:
     from fastfeed.vision.gpu_decode import DecodeCrops
 
-    files, sizes = imagenet_like(count)
-    rng = random.Random(2)
-    result: dict[str, Any] = {}
-    for case in ("cache holds the memory", "memory fraction"):
-        crops = crops_batch(files, sizes, rng)
-        crops["pixels"] = torch.empty((0, 3, 224, 224), dtype=torch.uint8, device="cuda")
-        if case == "cache holds the memory":
-            hog = torch.empty(int(torch.cuda.mem_get_info()[0] * 0.97), dtype=torch.uint8,
-                              device="cuda")
-            del hog  # torch's cache keeps it: nvJPEG's cudaMalloc finds nothing free
-        else:
-            torch.cuda.empty_cache()
-            total = torch.cuda.get_device_properties(0).total_memory
-            torch.cuda.set_per_process_memory_fraction((64 << 20) / total)
-        try:
-            DecodeCrops().images(crops)
-            torch.cuda.synchronize()
-            result[case] = "decoded"
-        except Exception as error:
-            result[case] = f"{type(error).__name__}: {str(error)[:160]}"
-        finally:
-            torch.cuda.set_per_process_memory_fraction(1.0)
+    torch.zeros(1, device="cuda")
+    hog = torch.empty(max(0, torch.cuda.mem_get_info()[0] - (args.left_mib << 20)),
+                      dtype=torch.uint8, device="cuda")
+    if case == "cached":
+        del hog  # torch's cache keeps it: nvJPEG's cudaMalloc finds nothing free
+    result: dict[str, Any] = {"free_mib": torch.cuda.mem_get_info()[0] / 2**20}
+    decode = DecodeCrops()
+    batches = iter(decode_loader(args, decode))
+    try:
+        next(batches)
+        torch.cuda.synchronize()
+        result["outcome"] = "decoded"
+    except torch.OutOfMemoryError as error:
+        result["outcome"] = f"out of memory: {str(error)[:300]}"
+    except Exception as error:
+        result["outcome"] = f"{type(error).__name__}: {str(error)[:300]}"
+    result["retries"] = decode.memory_retries
+    start = time.perf_counter()
+    batches.close()
+    result["close_s"] = time.perf_counter() - start
+    want = "decoded" if case == "cached" else "out of memory"
+    result["verdict"] = "ok" if result["outcome"].startswith(want) else f"failed: not {want}"
     return result
 
 
-def in_fresh_interpreter(part: str, env: dict[str, str]) -> Any:
-    run = subprocess.run([sys.executable, __file__, "--device", "cuda", "--part", part],
-                         capture_output=True, text=True, env={**os.environ, **env}, check=False,
-                         timeout=300)
+def one(args: argparse.Namespace, part: str) -> dict[str, Any]:
+    """A part (or one case of it) here, in this interpreter."""
+    if part in ("triton cold", "triton warm"):
+        try:
+            import triton as _  # noqa: F401
+        except ImportError:
+            return {"verdict": "n/a: Triton is not installed"}
+        return triton(args)
+    if part.startswith("oom "):
+        return oom(args, part[4:])
+    return {"pinned": pinned, "memory": memory, "contexts": contexts}[part](args)
+
+
+def fresh(args: argparse.Namespace, part: str, env: dict[str, str] | None = None
+          ) -> dict[str, Any]:
+    """``part`` in a fresh interpreter: its result, or why there is none."""
+    command = [*python_command(), __file__, "--one", part, "--batch", str(args.batch),
+               "--batches", str(args.batches), "--left-mib", str(args.left_mib)]
+    tests = str(Path(__file__).resolve().parents[1] / "tests")
+    environment = {**os.environ, **(env or {}),
+                   "PYTHONPATH": os.pathsep.join(filter(None, [tests, os.environ.get(
+                       "PYTHONPATH")]))}
+    try:
+        run = subprocess.run(command, capture_output=True, text=True, env=environment,
+                             check=False, timeout=args.part_timeout)
+    except subprocess.TimeoutExpired:
+        return {"verdict": f"failed: no result in {args.part_timeout} s"}
     if run.returncode != 0:
-        return {"error": run.stderr.strip().splitlines()[-1:] or [f"exit {run.returncode}"]}
+        sys.stderr.write(run.stderr)
+        last = (run.stderr.strip().splitlines() or [f"exit {run.returncode}"])[-1]
+        return {"verdict": f"failed: {last}"}
     return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def measure(args: argparse.Namespace, part: str) -> dict[str, Any]:
+    if part == "triton":
+        with tempfile.TemporaryDirectory() as cache:
+            cold = fresh(args, "triton cold", {"TRITON_CACHE_DIR": cache})
+            if "verdict" in cold:
+                return cold
+            warm = fresh(args, "triton warm", {"TRITON_CACHE_DIR": cache})
+        if "verdict" in warm:
+            return warm
+        return {"verdict": "ok", "first_batch_cold_s": cold["first_batch_s"],
+                "first_batch_warm_s": warm["first_batch_s"]}
+    if part == "oom":
+        cases = {case: fresh(args, f"oom {case}") for case in ("cached", "in use")}
+        failed = [f"{case}: {r['verdict']}" for case, r in cases.items() if r["verdict"] != "ok"]
+        return {"verdict": f"failed: {'; '.join(failed)}" if failed else "ok", **cases}
+    return fresh(args, part)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"of {', '.join(PARTS)}")
     parser.add_argument("--batch", type=int, default=256, help="crops a batch (memory, oom)")
-    parser.add_argument("--batches", type=int, default=3)
-    parser.add_argument("--part", choices=PARTS, help="run one part here, print its JSON")
-    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--batches", type=int, default=3, help="batches of the memory part")
+    parser.add_argument("--left-mib", type=int, default=48, help="free memory left (oom)")
+    parser.add_argument("--part-timeout", type=int, default=120, help="seconds per interpreter")
+    parser.add_argument("--json", type=Path, help="the results, rewritten as each part ends")
+    parser.add_argument("--one", choices=ONE, help=argparse.SUPPRESS)  # a fresh interpreter's
     args = parser.parse_args()
-    device = torch.device(args.device)
-    if args.part:  # a fresh interpreter's part
-        print(json.dumps({"contexts": contexts, "triton": triton}[args.part]()))
+    if args.one:
+        print(json.dumps(one(args, args.one)))
         return
-    results: dict[str, Any] = {"device": str(device), "memory": decode_batches(
-        device, args.batch, args.batches)}
-    if device.type == "cuda":
-        results["contexts"] = in_fresh_interpreter("contexts", {})
-        with tempfile.TemporaryDirectory() as cold:
-            results["triton"] = in_fresh_interpreter("triton", {"TRITON_CACHE_DIR": cold})
-        results["oom"] = oom(args.batch)
-    else:
-        for part in ("contexts", "triton", "oom"):
-            results[part] = "needs CUDA: not measured"
-    for part, value in results.items():
-        print(f"{part}: {json.dumps(value)}")
-    if args.json:
-        with open(args.json, "w") as out:
-            json.dump(results, out, indent=2)
+    parts = [p for p in args.parts.split(",") if p]
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown:
+        parser.error(f"unknown parts {unknown}: of {', '.join(PARTS)}")
+    results: dict[str, Any] = {"parts": {}}
+    for part in parts:
+        start = time.perf_counter()
+        results["parts"][part] = {**measure(args, part),
+                                  "part_seconds": round(time.perf_counter() - start, 1)}
+        print(f"{part}: {json.dumps(results['parts'][part])}", flush=True)
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=2))
+    failed = [p for p, r in results["parts"].items() if r["verdict"].startswith("failed")]
+    sys.exit(f"failed: {', '.join(failed)}" if failed else 0)
 
 
 if __name__ == "__main__":

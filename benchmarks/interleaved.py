@@ -11,13 +11,13 @@ import json
 import statistics
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from fastfeed.progress import progress
 
-__all__ = ["interleaved_rates", "pipeline_parser", "print_ratio_table"]
+__all__ = ["interleaved_rates", "interleaved_runs", "pipeline_parser", "print_ratio_table"]
 
 
 def pipeline_parser(doc: str, configs: Sequence[str], batch_size: int) -> argparse.ArgumentParser:
@@ -34,22 +34,36 @@ def pipeline_parser(doc: str, configs: Sequence[str], batch_size: int) -> argpar
     return parser
 
 
-def interleaved_rates(script: str | Path, configs: Sequence[str], repeats: int,
-                      child_args: Sequence[str], desc: str,
-                      python: Callable[[str], str] | None = None) -> dict[str, list[Any]]:
-    """Run ``script --one CONFIG *child_args`` ``repeats`` times per configuration; each child
-    prints a JSON list on its last line (rates, or one record per timed epoch). Returns every
-    entry per configuration. ``python(config)`` names the interpreter of a configuration's
-    children (default: this one), for libraries that live in an environment of their own."""
+def interleaved_runs(script: str | Path, configs: Sequence[str], repeats: int,
+                     child_args: Sequence[str], desc: str,
+                     python: Callable[[str], str] | None = None
+                     ) -> Iterator[tuple[str, list[Any] | str]]:
+    """Run ``script --one CONFIG *child_args`` ``repeats`` times per configuration, yielding
+    each run as it ends: ``(config, the entries of the JSON list its last line printed)``, or
+    ``(config, its error)`` where it failed. ``python(config)`` names the interpreter of a
+    configuration's children (default: this one), for libraries that live in an environment
+    of their own."""
     jobs = [c for r in range(repeats) for c in (configs if r % 2 == 0 else configs[::-1])]
-    rates: dict[str, list[Any]] = {c: [] for c in configs}
     for config in progress(jobs, total=len(jobs), desc=desc):
         interpreter = python(config) if python is not None else sys.executable
         out = subprocess.run([interpreter, str(script), "--one", config, *child_args],
                              capture_output=True, text=True, check=False)
         if out.returncode:
-            sys.exit(f"{config} failed:\n{out.stderr}")
-        rates[config] += json.loads(out.stdout.strip().splitlines()[-1])
+            yield config, out.stderr.strip() or f"exit {out.returncode}"
+        else:
+            yield config, json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def interleaved_rates(script: str | Path, configs: Sequence[str], repeats: int,
+                      child_args: Sequence[str], desc: str,
+                      python: Callable[[str], str] | None = None) -> dict[str, list[Any]]:
+    """Every entry per configuration of :func:`interleaved_runs`; exits at the first failed
+    run."""
+    rates: dict[str, list[Any]] = {c: [] for c in configs}
+    for config, entries in interleaved_runs(script, configs, repeats, child_args, desc, python):
+        if isinstance(entries, str):
+            sys.exit(f"{config} failed:\n{entries}")
+        rates[config] += entries
     return rates
 
 

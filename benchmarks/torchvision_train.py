@@ -18,7 +18,9 @@ persistent, shuffled, whole batches. Feeds:
 Each (feed, repeat) runs in a fresh process, feeds alternating order from repeat to repeat:
 ``--warmup`` steps, then ``--steps`` timed ones. Per feed, the medians over repeats of:
 images/s, the share of the time spent waiting for data (in ``next()`` and the copy call),
-and how busy NVML saw the GPU during the timed steps. On a CPU the cuda-only feeds are left out
+and how busy NVML saw the GPU during the timed steps. ``--json`` is rewritten after every run,
+so a run cut short keeps the feeds that ran; a feed whose run fails gets its error as its row,
+the others still run (the exit status is then 1). On a CPU the cuda-only feeds are left out
 with a note; ``--model tiny`` makes it a smoke run:
 
     python3 benchmarks/torchvision_train.py --device cuda --workers 8 --images 2048 \\
@@ -45,7 +47,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.interleaved import interleaved_rates
+from benchmarks.interleaved import interleaved_runs
 from fastfeed.bench.data import classic_imagefolder
 from fastfeed.bench.models import build_model
 
@@ -157,35 +159,58 @@ def main() -> None:
     feeds = [f for f in args.feeds.split(",") if on_gpu or f not in CUDA_ONLY]
     for left_out in sorted(set(args.feeds.split(",")) - set(feeds)):
         print(f"{left_out}: needs CUDA, left out")
+    name = torch.cuda.get_device_name(args.device) if on_gpu else "CPU"
+    runs: dict[str, list[dict[str, Any]]] = {feed: [] for feed in feeds}
+    errors: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="fastfeed-train-") as folder:
         from fastfeed.vision.synthetic import make_imagefolder
 
         make_imagefolder(Path(folder), args.images, classes=100)
         child = [a for a in sys.argv[1:] if a not in ("--json", str(args.json))]
-        runs = interleaved_rates(__file__, feeds, args.repeats, [*child, "--data", folder],
-                                 desc="feeds")
-    name = torch.cuda.get_device_name(args.device) if on_gpu else "CPU"
-    rows = []
-    for feed, results in runs.items():
-        row: dict[str, Any] = {"feed": feed}
-        for key in ("images_per_s", "wait_share", "gpu_busy"):
-            values = [r[key] for r in results if r[key] is not None]
-            row[key] = statistics.median(values) if values else None
-        rows.append(row)
-    stock = next((r["images_per_s"] for r in rows if r["feed"] == "stock"), None)
+        for feed, result in interleaved_runs(__file__, feeds, args.repeats,
+                                             [*child, "--data", folder], desc="feeds"):
+            if isinstance(result, str):
+                errors[feed] = result.splitlines()[-1]
+                print(f"{feed} failed:\n{result}", file=sys.stderr)
+            else:
+                runs[feed] += result
+            rows = table(runs, errors)
+            if args.json:
+                args.json.write_text(json.dumps({"device": name, "args": vars(args) | {
+                    "json": str(args.json), "data": None}, "rows": rows}, indent=2))
     print(f"\n{args.model}, batch {args.batch_size}, {args.workers} workers, {args.images} "
           f"JPEGs, {name}; medians of {args.repeats} runs of {args.steps} steps\n")
     print("| feed | images/s | vs stock | waiting | GPU busy |\n|---|---|---|---|---|")
-    for row in rows:
-        row["vs_stock"] = row["images_per_s"] / stock if stock else None
-        vs = f"{row['vs_stock']:.2f}×" if stock else "n/a"
+    for row in table(runs, errors):
+        if "error" in row:
+            print(f"| {row['feed']} | failed: {row['error']} | | | |")
+            continue
+        vs = f"{row['vs_stock']:.2f}×" if row["vs_stock"] else "n/a"
         busy = f"{row['gpu_busy']:.0f} %" if row["gpu_busy"] is not None else "n/a"
         print(f"| {row['feed']} | {row['images_per_s']:,.0f} | {vs} | "
               f"{100 * row['wait_share']:.0f} % | {busy} |")
-    if args.json:
-        args.json.write_text(json.dumps({"device": name, "args": vars(args) | {
-            "json": str(args.json), "data": None}, "rows": rows}, indent=2))
+    sys.exit(f"failed: {', '.join(errors)}" if errors else 0)
 
+
+def table(runs: dict[str, list[dict[str, Any]]], errors: dict[str, str]
+          ) -> list[dict[str, Any]]:
+    """A row per feed that ran or failed so far: the medians of its runs, or its error."""
+    rows: list[dict[str, Any]] = []
+    for feed, results in runs.items():
+        if feed in errors:
+            rows.append({"feed": feed, "error": errors[feed]})
+        elif results:
+            row: dict[str, Any] = {"feed": feed}
+            for key in ("images_per_s", "wait_share", "gpu_busy"):
+                values = [r[key] for r in results if r[key] is not None]
+                row[key] = statistics.median(values) if values else None
+            rows.append(row)
+    stock = next((r["images_per_s"] for r in rows if r["feed"] == "stock" and "error" not in r),
+                 None)
+    for row in rows:
+        if "error" not in row:
+            row["vs_stock"] = row["images_per_s"] / stock if stock else None
+    return rows
 
 if __name__ == "__main__":
     main()

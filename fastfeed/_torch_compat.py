@@ -31,6 +31,7 @@ __all__ = [
     "default_collate",
     "default_convert",
     "drop_persistent_iterator",
+    "has_primary_context",
     "index_sampler",
     "is_datapipe",
     "is_iterable_dataset",
@@ -149,3 +150,9 @@ def name_worker_process() -> None:
     set_name = getattr(torch.multiprocessing, "_set_thread_name", None)
     if set_name is not None:
         set_name("pt_data_worker")
+
+
+def has_primary_context(index: int) -> bool:
+    """Whether CUDA device ``index`` has its primary context (anything run there made it),
+    asked without making one (torch's own test of contexts uses it)."""
+    return bool(torch._C._cuda_hasPrimaryContext(index))  # type: ignore[attr-defined]

@@ -8,7 +8,11 @@ TorchCodec's ``DecodeJpegCuda.cpp`` (``torchcodec.decoders.decode_jpeg(..., devi
   synchronises on the host twice a call; its outputs are allocated on the caller's current
   stream; in ``UNCHANGED`` mode a greyscale image is cloned on the current stream. Every error
   of a decode, out of memory included, is wrapped: ``"decode_jpegs_cuda, <file>:<line>, Error
-  while decoding JPEG images: <the error>"``.
+  while decoding JPEG images: <the error>"`` (0.29's ``STD_TORCH_CHECK``). Before 0.29
+  (``version=(0, 28)``) its checks were ``TORCH_CHECK``: each error a ``c10::Error`` whose
+  ``what()``, wrapped whole, ends with the inner error's C++ backtrace: ``"Error while decoding
+  JPEG images: <the error>\nException raised from <function> at <file>:<line> (most recent
+  call first):\nframe #0: ..."``.
 - **TorchCodec** keeps decoders per device, allocates and decodes on the current stream and
   synchronises it once a call; its errors are raised as they are.
 
@@ -59,6 +63,14 @@ def checked(function: str, source: str, message: str) -> RuntimeError:
     return RuntimeError(f"{function}, /__w/{source}:212, {message}")
 
 
+def with_backtrace(function: str, source: str, message: str) -> str:
+    """A ``c10::Error``'s ``what()``: its message, then its C++ backtrace."""
+    return (f"{message}\nException raised from {function} at /__w/{source}:212 (most recent "
+            "call first):\nframe #0: c10::Error::Error(c10::SourceLocation, std::string) + "
+            "0x98 (0x7f3e in libc10.so)\nframe #1: <unknown function> + 0x4c1d (0x7f2a in "
+            "image.so)\n")
+
+
 class _Nvjpeg:
     """One decoder's nvJPEG state on device ``index``: its working memory, the library's own
     ``cudaMalloc``, grown to the largest batch."""
@@ -90,6 +102,7 @@ class ModelDecoder:
     others its host waits made the host wait for)."""
 
     function, source = "", ""
+    version = (0, 29)
 
     def __init__(self, gpu) -> None:
         self.gpu = gpu
@@ -106,6 +119,8 @@ class ModelDecoder:
         stream.synchronize()
 
     def error(self, message: str) -> RuntimeError:
+        if self.version < (0, 29):
+            return RuntimeError(with_backtrace("decode_images", self.source, message))
         return checked("decode_images", self.source, message)
 
     def prepare(self, data, index: int, state: _Nvjpeg):
@@ -134,6 +149,9 @@ class ModelDecoder:
             return [torch.empty(p.shape, dtype=torch.uint8, device=torch.device("cuda", index))
                     for p in pixels]
         except torch.OutOfMemoryError as error:
+            if self.version < (0, 29):  # c10::OutOfMemoryError, a c10::Error
+                raise RuntimeError(with_backtrace("malloc", "pytorch/c10/cuda/"
+                                                  "CUDACachingAllocator.cpp", str(error))) from None
             raise RuntimeError(f"{error} (originally from aoti_torch_empty_strided API call "
                                "failed at torch/csrc/stable/ops.h, line 212)") from None
 
@@ -144,8 +162,9 @@ class TorchvisionDecoder(ModelDecoder):
 
     source = "vision/vision/torchvision/csrc/io/image/cuda/decode_jpegs_cuda.cpp"
 
-    def __init__(self, gpu) -> None:
+    def __init__(self, gpu, version: tuple[int, int] = (0, 29)) -> None:
         super().__init__(gpu)
+        self.version = version
         self.built: list[int] = []
         self.stream = None  # the decoder's, from torch's pool
         self.state: _Nvjpeg | None = None
@@ -162,6 +181,8 @@ class TorchvisionDecoder(ModelDecoder):
             try:
                 return self._decode(data, index, mode)
             except Exception as error:
+                if self.version < (0, 29):  # TORCH_CHECK(false, "...", e.what())
+                    raise RuntimeError(f"Error while decoding JPEG images: {error}") from None
                 raise checked("decode_jpegs_cuda", self.source,
                               f"Error while decoding JPEG images: {error}") from None
 
@@ -221,13 +242,15 @@ def _module(monkeypatch, name: str) -> types.ModuleType:
 
 
 def install(monkeypatch, gpu, library: str = "torchvision") -> ModelDecoder:
-    """Make ``library``'s GPU JPEG decode (``"torchvision"`` or ``"torchcodec"``) the
-    modelled one, and the one fastfeed chooses; as in a new process, no decoder is made
-    yet."""
+    """Make ``library``'s GPU JPEG decode (``"torchvision"``, ``"torchvision 0.28"``: its
+    errors before 0.29, or ``"torchcodec"``) the modelled one, and the one fastfeed chooses;
+    as in a new process, no decoder is made yet."""
+    library, _, version = library.partition(" ")
     monkeypatch.setattr(jpeg_decoders, "_torchvision_device", {})
     monkeypatch.setenv("FASTFEED_JPEG_DECODER", library)
     if library == "torchvision":
-        decoder: ModelDecoder = TorchvisionDecoder(gpu)
+        decoder: ModelDecoder = TorchvisionDecoder(
+            gpu, tuple(map(int, version.split("."))) if version else (0, 29))
         module = _module(monkeypatch, "torchvision.io")
         monkeypatch.setattr(module, "ImageReadMode", getattr(module, "ImageReadMode",
                                                              ImageReadMode), raising=False)

@@ -123,3 +123,17 @@ def test_torchs_stream_pool_is_per_device_and_round_robin(monkeypatch):
         assert torch.cuda.Stream().device_index == 1
     assert torch.cuda.Stream(priority=-1) is not first
     assert gpu.current_stream(1) is gpu.default_stream(1)
+
+
+def test_set_device_makes_the_context_even_of_the_current_device_a_guard_does_not(monkeypatch):
+    import threading
+
+    gpu = cuda_model.install(monkeypatch, cuda_model.Gpu(devices=2))
+    torch.zeros(4, device="cuda:1")
+    with torch.cuda.device(0):  # current already: no cudaSetDevice
+        pass
+    assert gpu.contexts == {1}
+    helper = threading.Thread(target=torch.cuda.set_device, args=(0,))
+    helper.start()
+    helper.join()
+    assert gpu.contexts == {0, 1}

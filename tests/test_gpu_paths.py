@@ -54,7 +54,8 @@ def test_a_rank_makes_no_context_on_a_gpu_it_does_not_use(monkeypatch, rank):
 
 # -- the GPU JPEG decoders -----------------------------------------------------------------------
 
-LIBRARIES = ["torchvision", "torchcodec"]
+# torchvision before 0.29 ends its wrapped errors with the inner error's C++ backtrace
+LIBRARIES = ["torchvision", "torchvision 0.28", "torchcodec"]
 
 
 def jpeg(seed, size=(40, 32)):
@@ -97,6 +98,86 @@ def test_out_of_memory_in_the_decoder_is_not_taken_for_a_refused_file(monkeypatc
     assert torch.equal(gpu.read(images), want)
     assert decoder.calls == 2 and gpu.allocators[0].flushes == 1
     assert "refused" not in caplog.text
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_a_file_the_decoder_refuses_is_decoded_on_the_host(monkeypatch, caplog, library):
+    # torchvision 0.26-0.28: the status was followed by a C++ backtrace, the anchored match
+    # missed it, and the refusal was raised: the batch failed.
+    gpu = cuda_model.install(monkeypatch, cuda_model.Gpu())
+    decoder = nvjpeg_model.install(monkeypatch, gpu, library)
+    batch, want = crops_batch(3)
+    decoder.refused.add(batch[0]["encoded"][1].tobytes())
+    images = DecodeCrops()(batch)[0]
+    gpu.run()
+    assert torch.equal(gpu.read(images), want)
+    assert "refused 1 file(s)" in caplog.text and "Exception raised from" not in caplog.text
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_out_of_torchs_memory_is_raised_without_a_second_flush(monkeypatch, library):
+    # nvJPEG got its memory, torch's allocator then did not (it released its own cache and
+    # tried again before raising): releasing the cache again frees nothing, and the retry
+    # flushed every stream's cache on the device for nothing.
+    gpu = cuda_model.install(monkeypatch, cuda_model.Gpu(64 << 20))
+    decoder = nvjpeg_model.install(monkeypatch, gpu, library)
+    batch, _ = crops_batch(4)
+    memory = gpu.allocators[0].memory
+    other = memory.driver_malloc(memory.capacity - sum(memory.taken.values()) - (5 << 20))
+    decode = DecodeCrops()
+    with pytest.raises(torch.OutOfMemoryError, match=r"CUDA out of memory\. Tried to allocate"):
+        decode(batch)
+    assert decoder.calls == 1 and decode.memory_retries == 0
+    memory.driver_free(other)
+
+
+@pytest.mark.parametrize("where", ["this thread", "another thread"])
+def test_no_retry_releases_torchs_cache_while_a_cuda_graph_is_captured(monkeypatch, where):
+    # torch.cuda.empty_cache() on the decode's thread while the training thread captured a
+    # CUDA graph: torch's allocator refuses (an internal assert) and the decode failed with
+    # that, not as out of memory; on the capturing thread itself the release would end the
+    # capture.
+    import threading
+
+    gpu = cuda_model.install(monkeypatch, cuda_model.Gpu(64 << 20))
+    decoder = nvjpeg_model.install(monkeypatch, gpu)
+    batch, _ = crops_batch(4)
+    cached = torch.empty(58 << 20, dtype=torch.uint8, device="cuda")
+    del cached  # torch's cache holds it: nvJPEG's cudaMalloc fails
+    decode, raised = DecodeCrops(), []
+
+    def decode_batch():
+        try:
+            decode(batch)
+        except Exception as error:
+            raised.append(error)
+
+    with gpu.capture(torch.cuda.Stream()):
+        if where == "this thread":
+            decode_batch()
+        else:
+            helper = threading.Thread(target=decode_batch)
+            helper.start()
+            helper.join()
+        assert gpu.capturing  # the capture goes on
+    assert len(raised) == 1 and isinstance(raised[0], torch.OutOfMemoryError), raised
+    assert "not decoded again" in str(raised[0]) and "CUDA graph" in str(raised[0])
+    assert decoder.calls == 1 and gpu.allocators[0].flushes == 0
+
+
+def test_a_retry_after_releasing_torchs_cache_is_counted_and_logged(monkeypatch, caplog):
+    gpu = cuda_model.install(monkeypatch, cuda_model.Gpu(64 << 20))
+    nvjpeg_model.install(monkeypatch, gpu)
+    batch, want = crops_batch(4)
+    cached = torch.empty(58 << 20, dtype=torch.uint8, device="cuda")
+    del cached
+    decode = DecodeCrops()
+    images = decode(batch)[0]
+    gpu.run()
+    assert torch.equal(gpu.read(images), want)
+    assert decode.memory_retries == 1
+    warned = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1 and "(1 time(s) so far)" in warned[0].getMessage()
 
 
 @pytest.mark.parametrize("library", LIBRARIES)
@@ -174,7 +255,7 @@ def test_two_devices_decoding_in_one_process(monkeypatch, library):
         for index in (0, 1):
             with torch.cuda.device(index):
                 batch, want = crops_batch(2, f"cuda:{index}", seed=index)
-                if library == "torchvision" and index == 1:
+                if library.startswith("torchvision") and index == 1:
                     with pytest.raises(RuntimeError, match="one device per process"):
                         decode(batch)
                     continue
@@ -182,7 +263,7 @@ def test_two_devices_decoding_in_one_process(monkeypatch, library):
             assert images.device == torch.device("cuda", index)
             gpu.run()
             assert torch.equal(gpu.read(images), want)
-    if library == "torchvision":
+    if library.startswith("torchvision"):
         assert decoder.built == [0]
     else:
         assert sorted(decoder.states) == [0, 1]
@@ -206,6 +287,40 @@ def test_the_doctors_gpu_clock_reads_the_gpu_the_rank_trains_on(monkeypatch):
     waits.finish()
     assert sorted(waits.idle_s) == [0, 1, 2]
     assert mark.recorded.stream is gpu.current_stream(1)
+    assert gpu.contexts == {1}
+
+
+def test_what_watches_a_script_on_cuda_n_without_set_device_watches_gpu_n(monkeypatch):
+    # One process, model.to("cuda:1"), no set_device, no LOCAL_RANK: the thread's current
+    # device stays 0, which has no context. The doctor's GPU clock timed GPU 0 (and made a
+    # context there), its loader-alone trials and GPU sampler ran on and read GPU 0.
+    from fastfeed.doctor.gpu_waits import GpuWaits
+    from fastfeed.doctor.measure import _device
+
+    gpu = cuda_model.install(monkeypatch, cuda_model.Gpu(devices=2))
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    torch.zeros(4, device="cuda:1")  # the model's parameters
+    assert torch.cuda.current_device() == 0 and gpu.contexts == {1}
+    waits = GpuWaits()
+    mark = waits.request()
+    gpu.launch(gpu.current_stream(1), "the training step", lambda: None)
+    waits.deliver(0, mark)
+    waits.finish()
+    assert list(waits.idle_s) == [0] and mark.recorded.stream is gpu.current_stream(1)
+    assert _device() == torch.device("cuda", 1)
+    assert gpu.contexts == {1}
+
+
+def test_the_pin_helper_makes_no_context_on_gpu_0_for_a_script_on_cuda_n(monkeypatch):
+    # torch's pin thread, and fastfeed's helper, set the training thread's current device:
+    # 0 in a script that moved its model to cuda:1 without set_device, so every DDP rank
+    # made a context on GPU 0.
+    gpu = cuda_model.install(monkeypatch, cuda_model.Gpu(devices=2))
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    torch.zeros(4, device="cuda:1")
+    dataset = TensorDataset(n=16, shape=(3,))
+    got = list(FastLoader(dataset, batch_size=4, num_workers=2, pin_memory=True))
+    assert all(batch[0].is_pinned() for batch in got)
     assert gpu.contexts == {1}
 
 
@@ -338,12 +453,15 @@ def test_torchcodec_decodes_where_it_imports_and_info_says_which(monkeypatch):
 
     monkeypatch.delenv("FASTFEED_JPEG_DECODER", raising=False)
     monkeypatch.setattr(jpeg_decoders.importlib.metadata, "version", lambda name: "9.9")
-    for importable, chosen in ((("torchcodec.decoders", "torchvision.io"), "torchcodec"),
-                               (("torchvision.io",), "torchvision"), ((), None)):
-        monkeypatch.setattr(jpeg_decoders, "_imports", lambda module, ok=importable: module in ok)
+    for usable, chosen in ((("torchcodec", "torchvision"), "torchcodec"),
+                           (("torchvision",), "torchvision"), ((), None)):
+        monkeypatch.setattr(jpeg_decoders, "_usable", lambda name, ok=usable: None if name in ok
+                            else f"{name} does not import (ModuleNotFoundError)")
         assert jpeg_decoders.chosen_decoder() == chosen
         assert jpeg_decoders.describe().startswith(f"{chosen} 9.9 (auto" if chosen else "none")
-    assert isinstance(jpeg_decoders.jpeg_decoder("torchcodec"), jpeg_decoders.TorchcodecDecoder)
+    with pytest.raises(ImportError, match="'torchcodec' cannot decode here: torchcodec does "
+                                          "not import"):
+        jpeg_decoders.jpeg_decoder("torchcodec")
     with pytest.raises(ImportError, match="pip install torchcodec"):
         jpeg_decoders.jpeg_decoder()
     monkeypatch.setenv("FASTFEED_JPEG_DECODER", "torchvision")
@@ -352,6 +470,34 @@ def test_torchcodec_decodes_where_it_imports_and_info_says_which(monkeypatch):
     monkeypatch.setenv("FASTFEED_JPEG_DECODER", "nvimgcodec")
     with pytest.raises(ValueError, match="unknown JPEG decoder 'nvimgcodec'"):
         DecodeCrops().decode([np.frombuffer(jpeg(0), np.uint8)], ["0.jpg"], torch.device("cpu"))
+
+
+def test_a_torchcodec_without_the_gpu_jpeg_decode_is_passed_over(monkeypatch):
+    # TorchCodec installed for audio or video, a release before decode_jpeg(device=): it was
+    # chosen because it imported, and every GPU-decode batch raised.
+    import sys
+    import types
+
+    from fastfeed.vision import jpeg_decoders
+
+    gpu = cuda_model.install(monkeypatch, cuda_model.Gpu())
+    decoder = nvjpeg_model.install(monkeypatch, gpu, "torchvision")
+    monkeypatch.delenv("FASTFEED_JPEG_DECODER")
+    old = types.ModuleType("torchcodec.decoders")
+    old.decode_jpeg = lambda source, *, mode="RGB": nvjpeg_model.decode_with_pillow(source)
+    monkeypatch.setitem(sys.modules, "torchcodec", types.ModuleType("torchcodec"))
+    monkeypatch.setitem(sys.modules, "torchcodec.decoders", old)
+    versions = {"torchcodec": "0.11.0", "torchvision": "0.29.0"}
+    monkeypatch.setattr(jpeg_decoders.importlib.metadata, "version", versions.__getitem__)
+    batch, want = crops_batch(3)
+    images = DecodeCrops()(batch)[0]
+    gpu.run()
+    assert torch.equal(gpu.read(images), want) and decoder.calls == 1
+    assert jpeg_decoders.describe() == (
+        "torchvision 0.29.0 (auto; torchcodec 0.11.0 has no GPU JPEG decode "
+        "(decode_jpeg(device=...): 0.16 or later): pip install -U torchcodec)")
+    with pytest.raises(ImportError, match=r"'torchcodec' cannot decode here: torchcodec 0\.11\.0"):
+        jpeg_decoders.jpeg_decoder("torchcodec")
 
 
 def test_fastfeeds_streams_are_made_in_their_devices_context_none_of_torchs_pool(monkeypatch):

@@ -12,7 +12,7 @@
 from fastfeed.device.copiers import Copier, HostCopier, StreamCopier, pinned_source
 from fastfeed.device.pinned import PinnedIterator
 from fastfeed.device.prefetch import DeviceIterator, HostIterator, TorchIteratorHost
-from fastfeed.device.resolve import check_device, resolve_device
+from fastfeed.device.resolve import check_device, resolve_device, training_device
 from fastfeed.device.stage import DeviceStage, EpochPlan, StageOptions
 
 __all__ = [
@@ -29,4 +29,5 @@ __all__ = [
     "check_device",
     "pinned_source",
     "resolve_device",
+    "training_device",
 ]

@@ -12,9 +12,11 @@ iterator pins it.
   whatever the helper holds, so the helper pins only a couple ahead (a copy takes
   milliseconds): what is read ahead is stock's, plus those.
 * The helper thread is set up as torch's pin thread is: one intra-op thread (the copies must
-  not take every core from the workers and the training thread) and the training thread's
-  GPU as its current device (pinned memory is allocated in that GPU's context: a rank must
-  not create a context on GPU 0).
+  not take every core from the workers and the training thread) and the training GPU as its
+  current device (pinned memory is allocated in that GPU's context: a rank must not create a
+  context on GPU 0). Not, as torch's, the training thread's current device: a script that
+  moved its model to ``cuda:N`` without ``set_device`` has device 0 current and no context
+  there (:func:`~fastfeed.device.resolve.training_device`).
 * The host batch, and with it the lease on its slot, is dropped once its copy is made: no slot
   returns to the pool while a copy of it runs (docs/design.md, invariant 2), and none is held
   by a batch that waits pinned. (``pin_memory`` leaves numpy arrays as they are: those keep their
@@ -42,6 +44,7 @@ import torch
 
 from fastfeed._torch_compat import pin_memory
 from fastfeed.device.prefetch import AheadOfConsumer
+from fastfeed.device.resolve import training_device
 from fastfeed.iterators import BaseIterator
 from fastfeed.telemetry import Telemetry
 
@@ -133,8 +136,8 @@ class PinHelper:
     def __init__(self, host: BaseIterator, ahead: int) -> None:
         self.queue = _Queue(ahead)
         self._host = weakref.ref(host)  # to interrupt its waits; the thread holds it
-        # The training thread's GPU, where CUDA is in use (asking would initialise it).
-        cuda_index = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+        # The training GPU, where CUDA is in use (asking would initialise it).
+        cuda_index = training_device().index if torch.cuda.is_initialized() else None
         self._thread = threading.Thread(target=_pin_ahead, args=(host, self.queue, cuda_index),
                                         name="fastfeed-pin", daemon=True)
         self._thread.start()

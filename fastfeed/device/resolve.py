@@ -1,5 +1,6 @@
 """Which device a loader delivers to: ``device=`` checked when the loader is built, and
-resolved (a bare ``"cuda"`` given its index) at the first iteration."""
+resolved (a bare ``"cuda"`` given its index) at the first iteration; and which GPU a script
+trains on, for what watches it."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ import os
 
 import torch
 
+from fastfeed._torch_compat import has_primary_context
 from fastfeed.placement import local_cuda_index
 
-__all__ = ["check_device", "resolve_device"]
+__all__ = ["check_device", "resolve_device", "training_device"]
 
 
 def check_device(device: str | int | torch.device) -> torch.device:
@@ -52,3 +54,23 @@ def resolve_device(device: str | int | torch.device) -> torch.device:
     index = local_cuda_index(resolved.index, os.environ.get("LOCAL_RANK"),
                              torch.cuda.device_count(), current)
     return torch.device("cuda", index)
+
+
+def training_device() -> torch.device:
+    """The GPU this process trains on, for what watches it or works beside it (the doctor's GPU
+    clock and sampler, the pin helper thread): a bare ``"cuda"`` as :func:`resolve_device`
+    resolves it, unless that GPU has no context and another has. That is a script that moved
+    its model to ``cuda:N`` and never called ``torch.cuda.set_device``: its threads' current
+    device stays 0, where nothing of it runs, and anything done there would make a context (a
+    few hundred MiB) on GPU 0 from every rank. Call it once the script has initialised CUDA.
+    """
+    try:
+        resolved = resolve_device("cuda")
+    except ValueError:
+        # LOCAL_RANK names no GPU this process sees (a rank given several GPUs): the script
+        # picks its GPUs itself.
+        resolved = torch.device("cuda", torch.cuda.current_device())
+    if has_primary_context(resolved.index):
+        return resolved
+    used = [i for i in range(torch.cuda.device_count()) if has_primary_context(i)]
+    return torch.device("cuda", used[0]) if used else resolved

@@ -7,10 +7,10 @@ everything queued before it; one recorded when the batch arrives completes at on
 is by then idle. The time between the two, on the GPU's clock, is the time the GPU had nothing
 to do because the batch was late: zero when the host's wait was hidden by queued work.
 
-The events are recorded on the current stream of the GPU the script trains on, as FastLoader
-resolves a bare ``"cuda"`` (the script's ``set_device``, else ``LOCAL_RANK``'s GPU): not on the
-thread's current device, which is GPU 0 in a DDP script that never sets it (timing GPU 0, and
-making a context there from every rank).
+The events are recorded on the current stream of the GPU the script trains on
+(:func:`~fastfeed.device.training_device`: the script's ``set_device``, else ``LOCAL_RANK``'s
+GPU, else the one GPU with a context): not on the thread's current device, which is GPU 0 in a
+script that never sets it (timing GPU 0, and making a context there from every rank).
 
 Events are read when they have completed (``query``), never by waiting on them in the hot path;
 :meth:`GpuWaits.finish` waits for the last few at the end of the window. Nothing here touches
@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 import torch
 
-from fastfeed.device import resolve_device
+from fastfeed.device import training_device
 
 __all__ = ["Event", "GpuWaits"]
 
@@ -53,12 +53,7 @@ def _timing_event() -> Event:
 
 def _training_stream() -> Any:
     """The current stream of the GPU the script trains on (see the module's notes)."""
-    try:
-        return torch.cuda.current_stream(resolve_device("cuda"))
-    except ValueError:
-        # LOCAL_RANK names no GPU this process sees (a rank given several GPUs): the script
-        # picks its GPUs itself, and the doctor must not fail its next() over it.
-        return torch.cuda.current_stream()
+    return torch.cuda.current_stream(training_device())
 
 
 class GpuWaits:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from fastfeed._proc import available_cpus
+from fastfeed.device import training_device
 from fastfeed.doctor.candidates import configurations, workers_settle, yours
 from fastfeed.doctor.findings import REPORT, Diagnosis, Option, Stage, Unmeasured
 from fastfeed.doctor.loaders import LoaderSpec
@@ -97,9 +98,10 @@ def _progress(message: str) -> None:
 
 
 def _device() -> torch.device | None:
-    """The GPU the script trained on: the current device, if the script initialised CUDA."""
+    """The GPU the script trained on (:func:`~fastfeed.device.training_device`), if the script
+    initialised CUDA."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return torch.device("cuda", torch.cuda.current_device())
+        return training_device()
     return None
 
 

@@ -35,10 +35,11 @@ hiding a failure:
 - The decoders wait on the host for their stream (once or twice a batch), so
   :class:`DecodeCrops` says it ``blocks_host``: FastLoader then runs it, with the copy, in a
   helper thread, and the training thread goes on queueing its own work.
-- Only a file's own fault is taken for a refusal. Out of device memory is no file's: nvJPEG
-  allocates with ``cudaMalloc``, outside torch's cache, so the batch is decoded once more after
-  torch's cached, unused memory is released (``torch.cuda.empty_cache()``), and a second
-  failure is raised. A decode stream that cannot be made, or a CUDA error, is raised at once.
+- Only a file's own fault is taken for a refusal. Out of device memory is no file's: where
+  nvJPEG's own ``cudaMalloc`` failed, the batch is decoded once more after torch's cached,
+  unused memory is released, unless a CUDA graph is being captured, and the retry is counted
+  and logged (:mod:`fastfeed.vision.decode_retry`); a second failure is raised. A decode stream
+  that cannot be made, or a CUDA error, is raised at once.
 """
 
 from __future__ import annotations
@@ -52,7 +53,13 @@ import torch
 
 from fastfeed._torch_compat import default_collate
 from fastfeed.device import pinned_source
-from fastfeed.vision.jpeg_decoders import DecoderRefused, JpegDecoder, jpeg_decoder
+from fastfeed.vision.decode_retry import MemoryRetries
+from fastfeed.vision.jpeg_decoders import (
+    DecoderOutOfMemory,
+    DecoderRefused,
+    JpegDecoder,
+    jpeg_decoder,
+)
 from fastfeed.vision.resample import FIELDS, UINT8, PixelAffine, crop_geometry, resize_crops
 from fastfeed.vision.window_decode import (
     FRAME_MARKERS,
@@ -237,7 +244,8 @@ class DecodeCrops:
     at a time, and each file it refuses is decoded on the host, as the workers decode, and
     copied to the device to join the batch; a file neither decodes raises
     :class:`~fastfeed.vision.window_decode.DecodeError`, naming it. Out of device memory, the
-    call is made once more after torch's cached memory is released (see the module's notes).
+    call may be made once more after torch's cached memory is released (see the module's
+    notes; :attr:`memory_retries` counts those).
 
     Args:
         affine: the conversion and normalisation folded into the resize.
@@ -258,17 +266,22 @@ class DecodeCrops:
         self.affine = affine
         self.decoder = decoder
         self.needs_cuda = needs_cuda
+        self._retries = MemoryRetries()
+
+    @property
+    def memory_retries(self) -> int:
+        """The batches decoded again after torch's cache was released for nvJPEG."""
+        return self._retries.count
 
     def _decoded(self, files: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-        """The decoder's images; out of memory, once more after torch's cache is released."""
+        """The decoder's images; out of nvJPEG's memory, maybe once more (see the module's
+        notes)."""
         if self.decoder is None or isinstance(self.decoder, str):
             self.decoder = jpeg_decoder(self.decoder)
         try:
             return self.decoder(files, device)
-        except torch.OutOfMemoryError:
-            if device.type != "cuda":
-                raise
-        torch.cuda.empty_cache()  # nvJPEG's cudaMalloc may get what torch's cache held
+        except DecoderOutOfMemory as error:
+            self._retries.release_for(error)
         return self.decoder(files, device)
 
     def decode(self, encoded: list[np.ndarray], paths: list[str], device: torch.device

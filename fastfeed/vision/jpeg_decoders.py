@@ -1,5 +1,6 @@
 """The GPU JPEG decoders the GPU decode route can use, behind one seam (:class:`JpegDecoder`),
-chosen by name: TorchCodec's where it is installed, torchvision's where not.
+chosen by name: TorchCodec's where an installed one can decode on the GPU, torchvision's where
+not.
 
 Both decode a batch of files with nvJPEG in one call (the hardware JPEG engine of A100/H100
 for the baseline files it takes), on the process's decode stream
@@ -19,12 +20,20 @@ caller's stream then waits for it). They differ where it matters to a user with 
   was handed it (NCCL, the user), whose work that wait then includes. fastfeed's own streams
   are never in the pool, so it is never the copy stream.
 
+TorchCodec is often installed for audio or video, in a release older than its GPU JPEG decode:
+it is chosen only where its ``decode_jpeg`` takes a ``device`` (what the route calls), else
+torchvision's decoder is, and ``fastfeed info`` says why.
+
 Errors come as the libraries raise them: torchvision wraps every one, out of memory included,
 in ``RuntimeError("...Error while decoding JPEG images: ...")``; both report nvJPEG's status
-codes at the end of their messages. They are sorted here: a file the decoder cannot take is
-:class:`DecoderRefused` (decoded on the host instead), out of device memory is
-``torch.OutOfMemoryError`` (torch's own, or nvJPEG's ``cudaMalloc`` failing:
-``NVJPEG_STATUS_ALLOCATOR_FAILURE``), anything else (a CUDA error) is raised as it came.
+codes at the end of their messages. torchvision before 0.29 wraps with ``TORCH_CHECK`` the
+inner error's whole ``what()``, which ends with its C++ backtrace ("Exception raised from ...
+(most recent call first):" and the frames), as every message does under
+``TORCH_SHOW_CPP_STACKTRACES=1``: the status is read before that. They are sorted here: a file
+the decoder cannot take is :class:`DecoderRefused` (decoded on the host instead), out of device
+memory is :class:`DecoderOutOfMemory` (a ``torch.OutOfMemoryError`` that says whose allocation
+failed: torch's, or nvJPEG's own ``cudaMalloc``: ``NVJPEG_STATUS_ALLOCATOR_FAILURE``), anything
+else (a CUDA error) is raised as it came.
 """
 
 from __future__ import annotations
@@ -32,23 +41,35 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.metadata
+import inspect
 import os
 import re
 import threading
 import warnings
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
 from fastfeed.device.own_streams import own_stream
 
-__all__ = ["DECODERS", "DecoderRefused", "JpegDecoder", "TorchcodecDecoder",
+__all__ = ["DECODERS", "DecoderOutOfMemory", "DecoderRefused", "JpegDecoder", "TorchcodecDecoder",
            "TorchvisionDecoder", "chosen_decoder", "describe", "jpeg_decoder"]
 
 
 class DecoderRefused(RuntimeError):
     """The decoder cannot decode one of the files it was given (the file's fault)."""
+
+
+class DecoderOutOfMemory(torch.OutOfMemoryError):
+    """The device had no memory left for a decode. ``outside_torch``: the allocation that
+    failed was the decoder's own (nvJPEG's ``cudaMalloc``), which memory torch's cache holds
+    could serve; else it was torch's, whose allocator released its cache and tried again
+    before it gave up."""
+
+    def __init__(self, message: str, outside_torch: bool) -> None:
+        super().__init__(message)
+        self.outside_torch = outside_torch
 
 
 class JpegDecoder(Protocol):
@@ -57,7 +78,7 @@ class JpegDecoder(Protocol):
 
     Raises:
         DecoderRefused: it cannot decode one of the files.
-        torch.OutOfMemoryError: the device has no memory left for the decode.
+        DecoderOutOfMemory: the device has no memory left for the decode.
     """
 
     def __call__(self, encoded: list[torch.Tensor], device: torch.device
@@ -69,17 +90,19 @@ class JpegDecoder(Protocol):
 _FILE_STATUSES = {2, 3, 4, 10}
 _ALLOCATOR_FAILURE = 5
 _NVJPEG_STATUS = re.compile(r"(?:Failed to [\w ]+|nvjpegDecode failed): (\d+)\s*$")
+# Where c10::Error's what() starts its C++ backtrace (c10/util/Exception.cpp).
+_CPP_BACKTRACE = "\nException raised from "
 
 
 def _sorted_error(error: RuntimeError) -> Exception:
-    """``error`` of a decode as :class:`DecoderRefused`, ``torch.OutOfMemoryError``, or
+    """``error`` of a decode as :class:`DecoderRefused`, :class:`DecoderOutOfMemory`, or
     itself (see the module's notes)."""
-    message = str(error)
+    message = str(error).split(_CPP_BACKTRACE, 1)[0]
     status = _NVJPEG_STATUS.search(message)
     code = int(status.group(1)) if status and "CUDA stream" not in status.group(0) else None
-    if "out of memory" in message or code == _ALLOCATOR_FAILURE:
-        return torch.OutOfMemoryError(f"the GPU JPEG decoder is out of device memory: "
-                                      f"{message}")
+    if code == _ALLOCATOR_FAILURE or "out of memory" in message:
+        return DecoderOutOfMemory(f"the GPU JPEG decoder is out of device memory: {message}",
+                                  outside_torch=code == _ALLOCATOR_FAILURE)
     if code in _FILE_STATUSES or "Unknown chroma subsampling" in message:
         return DecoderRefused(message)
     return error
@@ -169,44 +192,71 @@ class TorchvisionDecoder:
                                                      mode=ImageReadMode.RGB), device)
 
 
-# The decoders by name: another (nvImageCodec's region decode) is one more entry.
-DECODERS: dict[str, tuple[str, Callable[[], JpegDecoder]]] = {
-    "torchcodec": ("torchcodec.decoders", TorchcodecDecoder),
-    "torchvision": ("torchvision.io", TorchvisionDecoder),
+def _decodes_on_gpu(module: Any) -> bool:
+    """Whether TorchCodec's ``decoders`` module has the GPU JPEG decode: a ``decode_jpeg`` that
+    takes a ``device`` (0.16 and later; older releases, installed for audio or video, have
+    none)."""
+    decode = getattr(module, "decode_jpeg", None)
+    try:
+        return decode is not None and "device" in inspect.signature(decode).parameters
+    except (TypeError, ValueError):  # no signature to read
+        return False
+
+
+# The decoders by name: (module, the decoder, whether the module imported can serve the route).
+# Another (nvImageCodec's region decode) is one more entry.
+DECODERS: dict[str, tuple[str, Callable[[], JpegDecoder], Callable[[Any], bool]]] = {
+    "torchcodec": ("torchcodec.decoders", TorchcodecDecoder, _decodes_on_gpu),
+    "torchvision": ("torchvision.io", TorchvisionDecoder, lambda module: True),
 }
 _PREFERRED = ("torchcodec", "torchvision")
 
 
-def _imports(module: str) -> bool:
+def _usable(name: str) -> str | None:
+    """None where decoder ``name`` can serve here; else why not."""
+    module_name, _, capable = DECODERS[name]
     try:
-        importlib.import_module(module)
-    except Exception:  # missing, or built for another torch (an OSError, a RuntimeError)
-        return False
-    return True
+        module = importlib.import_module(module_name)
+    except Exception as error:  # missing, or built for another torch (an OSError...)
+        return f"{name} does not import ({type(error).__name__})"
+    if not capable(module):
+        return (f"{name} {_version(name)} has no GPU JPEG decode (decode_jpeg(device=...): "
+                "0.16 or later)")
+    return None
+
+
+def _version(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "(version unknown)"
 
 
 def chosen_decoder(name: str | None = None) -> str | None:
     """The decoder ``name`` means: given, ``FASTFEED_JPEG_DECODER``, or ``"auto"``: the first
-    of TorchCodec and torchvision that imports here (None: neither does)."""
+    of TorchCodec and torchvision that can decode here (None: neither can)."""
     name = name or os.environ.get("FASTFEED_JPEG_DECODER") or "auto"
     if name != "auto":
         if name not in DECODERS:
             raise ValueError(f"unknown JPEG decoder {name!r}: one of {sorted(DECODERS)} or "
                              "'auto'")
         return name
-    return next((n for n in _PREFERRED if _imports(DECODERS[n][0])), None)
+    return next((n for n in _PREFERRED if _usable(n) is None), None)
 
 
 def jpeg_decoder(name: str | None = None) -> JpegDecoder:
     """The :class:`JpegDecoder` ``name`` means (:func:`chosen_decoder`).
 
     Raises:
-        ImportError: neither decoder imports here.
+        ImportError: no decoder can decode here, or the one named cannot.
     """
     chosen = chosen_decoder(name)
     if chosen is None:
         raise ImportError("fastfeed's GPU JPEG decode needs torchcodec (0.16 or later) or "
                           "torchvision: pip install torchcodec")
+    why_not = _usable(chosen)
+    if why_not is not None:  # named: say so at once, not at every batch
+        raise ImportError(f"the GPU JPEG decoder {chosen!r} cannot decode here: {why_not}")
     return DECODERS[chosen][1]()
 
 
@@ -216,11 +266,15 @@ def describe() -> str:
         chosen = chosen_decoder()
     except ValueError as error:
         return str(error)
+    passed_over = _usable("torchcodec") if chosen != "torchcodec" else None
     if chosen is None:
-        return "none: pip install torchcodec (or torchvision) for the GPU decode"
+        return f"none: pip install torchcodec (or torchvision) for the GPU decode ({passed_over})"
     how = ("FASTFEED_JPEG_DECODER" if os.environ.get("FASTFEED_JPEG_DECODER") not in
            (None, "", "auto") else "auto")
-    version = importlib.metadata.version(chosen)
-    advice = ("" if chosen == "torchcodec" else
-              "; pip install torchcodec: one decoder per device, no stream of torch's pool")
-    return f"{chosen} {version} ({how}{advice})"
+    if chosen == "torchcodec":
+        advice = ""
+    elif passed_over is not None and "does not import" not in passed_over:
+        advice = f"; {passed_over}: pip install -U torchcodec"
+    else:
+        advice = "; pip install torchcodec: one decoder per device, no stream of torch's pool"
+    return f"{chosen} {_version(chosen)} ({how}{advice})"

@@ -10,7 +10,7 @@ context on a GPU it does not use, or an out-of-memory error.
   its device current again (cudaSetDevice), while ``torch.cuda.device`` restores the previous
   device only where it has a context. Anything done on a device (cudaSetDevice, a launch, an
   allocation, an event) makes its primary context: :attr:`Gpu.contexts` lists them, so a rank
-  that touches GPU 0 shows.
+  that touches GPU 0 shows (``torch._C._cuda_hasPrimaryContext`` reads them).
 - **Streams** are queues of one device. Queued work runs only when the test lets the device run
   (:meth:`Gpu.run`, streams in the order the test picks: the adversary) or when the host waits
   for it (a sync). An **event** marks a point of a stream; ``query()`` says whether the device
@@ -36,7 +36,9 @@ context on a GPU it does not use, or an out-of-memory error.
   once each has passed the point it was at when the block was freed. Each device has
   ``memory_bytes``, shared with libraries' own ``cudaMalloc`` (nvJPEG's); when a segment does not
   fit, the allocator releases its unused cached segments and tries again, then raises
-  ``torch.OutOfMemoryError`` with torch's message.
+  ``torch.OutOfMemoryError`` with torch's message. While a CUDA graph is captured
+  (:meth:`Gpu.capture`, on any thread) it skips that release, and ``torch.cuda.empty_cache()``
+  fails torch's internal assert before it waits for or frees anything.
 - **Page-locked memory**: ranges registered with ``cudaHostRegister`` (through
   :attr:`Gpu.runtime`, the slot pool's) and torch's pinned pool, whose blocks live until the
   copies that read them have run (as torch's events keep them).

@@ -12,7 +12,8 @@
   named other streams for waits until each has passed the point it was at when it was freed;
 - when ``cudaMalloc`` fails the allocator waits for those streams (a host sync), releases every
   cached segment with nothing allocated in it (``empty_cache``) and tries once more; then it
-  raises ``torch.OutOfMemoryError``.
+  raises ``torch.OutOfMemoryError``. While a CUDA graph is captured (on any thread) it skips
+  that release, and ``empty_cache`` fails its internal assert, before it waits or frees.
 
 The device's memory is shared with libraries that call ``cudaMalloc`` themselves (nvJPEG):
 :meth:`DeviceMemory.driver_malloc`. Addresses are offsets into the modelled memory."""
@@ -124,8 +125,9 @@ class CachingAllocator:
         wait: makes the host wait until a point of a stream is done (a sync).
     """
 
-    def __init__(self, memory: DeviceMemory, wait: Callable[[object], None]) -> None:
-        self.memory, self._wait = memory, wait
+    def __init__(self, memory: DeviceMemory, wait: Callable[[object], None],
+                 capturing: Callable[[], bool] = lambda: False) -> None:
+        self.memory, self._wait, self._capturing = memory, wait, capturing
         self.segments: list[Segment] = []
         self._pending: list[tuple[Block, list]] = []  # freed, waiting for other streams
         self.allocated = self.peak_allocated = self.peak_reserved = 0
@@ -146,7 +148,7 @@ class CachingAllocator:
         block = self._free_block(size, stream, small)
         if block is None:
             segment = self._new_segment(size, stream, small)
-            if segment is None:
+            if segment is None and not self._capturing():
                 self.empty_cache()
                 segment = self._new_segment(size, stream, small)
             if segment is None:
@@ -219,6 +221,10 @@ class CachingAllocator:
     def empty_cache(self) -> None:
         """Wait for the streams freed blocks wait for, then release every segment with nothing
         allocated in it (``torch.cuda.empty_cache()``, and the out-of-memory flush)."""
+        if self._capturing():  # synchronize_and_free_events' first check
+            raise RuntimeError("captures_underway.empty() INTERNAL ASSERT FAILED at "
+                               "\"../c10/cuda/CUDACachingAllocator.cpp\":1715, please report a "
+                               "bug to PyTorch.")
         self.flushes += 1
         for _, marks in self._pending:
             for mark in marks:

@@ -68,8 +68,10 @@ class Gpu:
         self.defaults = [Stream(self, "default" if i == 0 else f"default{i}", i)
                          for i in range(devices)]
         self.default = self.defaults[0]
+        self.capturing: set[Stream] = set()  # streams a CUDA graph is being captured on
         self.allocators = [CachingAllocator(DeviceMemory(i, i * memory_bytes, memory_bytes),
-                                            wait=self._host_waits_for)
+                                            wait=self._host_waits_for,
+                                            capturing=lambda: bool(self.capturing))
                            for i in range(devices)]
         self._blocks: dict[int, Block] = {}  # offset -> live block
         self._freed: deque[Block] = deque()  # by finalizers, in any thread: handled at malloc
@@ -109,11 +111,18 @@ class Gpu:
 
     def set_device(self, device: object) -> None:
         """``torch.cuda.set_device``: cudaSetDevice, which on CUDA 12 makes the device's primary
-        context (torch skips the call when the device is current already)."""
+        context, even where the device is current already (a new thread's 0: torch's own test
+        of primary contexts expects ``set_device(0)`` to make device 0's)."""
+        index = self.index(device)
+        self.touch(index)
+        self._local.device = index
+
+    def exchange_device(self, device: object) -> None:
+        """What torch's guards and ``set_stream`` do (``ExchangeDevice``): cudaSetDevice only
+        where the device is not current already."""
         index = self.index(device)
         if index != self.current_device():
-            self.touch(index)
-            self._local.device = index
+            self.set_device(index)
 
     @contextlib.contextmanager
     def device_guard(self, device: object):
@@ -124,7 +133,7 @@ class Gpu:
             yield
             return
         previous = self.current_device()
-        self.set_device(device)
+        self.exchange_device(device)
         try:
             yield
         finally:
@@ -139,7 +148,7 @@ class Gpu:
         """``torch.cuda.set_stream`` (Module.cpp's setStream): the stream's device is made
         current first when it is not (cudaSetDevice)."""
         if self.current_device() != stream.device_index:
-            self.set_device(stream.device_index)
+            self.exchange_device(stream.device_index)
         if not hasattr(self._local, "streams"):
             self._local.streams = {}
         self._local.streams[stream.device_index] = stream
@@ -168,6 +177,21 @@ class Gpu:
     def external_stream(self, handle: int, device: object = None) -> Stream:
         """``torch.cuda.ExternalStream``: the stream a handle of :attr:`driver` names."""
         return self.driver.stream(handle)
+
+    @contextlib.contextmanager
+    def capture(self, stream: Stream):
+        """``torch.cuda.graph`` on ``stream``: a CUDA graph captured there until the block
+        ends (the allocator knows, whatever the thread; torch's Python asks only about the
+        current stream: :meth:`is_current_stream_capturing`)."""
+        self.capturing.add(stream)
+        try:
+            with self.stream(stream):
+                yield
+        finally:
+            self.capturing.discard(stream)
+
+    def is_current_stream_capturing(self) -> bool:
+        return self.current_stream() in self.capturing
 
     def launch(self, stream: Stream, name: str, run: object) -> None:
         with self.lock:
@@ -257,6 +281,18 @@ class Gpu:
             self._collect()
             for allocator in self.allocators:
                 allocator.empty_cache()
+
+    def allocator(self, device: object = None) -> CachingAllocator:
+        """The caching allocator of ``device`` (default: the current one), its figures
+        current (what finalizers freed handed back)."""
+        with self.lock:
+            self._collect()
+            return self.allocators[self.index(device)]
+
+    def mem_get_info(self, device: object = None) -> tuple[int, int]:
+        """``torch.cuda.mem_get_info``: the device's free and total bytes (cudaMemGetInfo)."""
+        memory = self.allocator(device).memory
+        return memory.capacity - sum(memory.taken.values()), memory.capacity
 
     @property
     def reserved(self) -> int:

@@ -280,9 +280,10 @@ def install(monkeypatch, gpu: Gpu) -> Gpu:
     monkeypatch.setattr(sys.modules[__name__], "_replaced", [])  # emptied again after the test
 
     def replace(owner, name: str, value) -> None:
-        held = vars(owner).get(name, _ABSENT) if isinstance(owner, type) else getattr(owner, name)
+        held = (vars(owner).get(name, _ABSENT) if isinstance(owner, type)
+                else getattr(owner, name, _ABSENT))  # absent: torch built without CUDA
         _replaced.append((owner, name, held))
-        monkeypatch.setattr(owner, name, value)
+        monkeypatch.setattr(owner, name, value, raising=held is not _ABSENT)
 
     replace(sys.modules[__name__], "_gpu", gpu)
     replace(torch.cuda, "is_available", lambda: True)
@@ -292,6 +293,15 @@ def install(monkeypatch, gpu: Gpu) -> Gpu:
     replace(torch.cuda, "device", gpu.device_guard)
     replace(torch.cuda, "set_stream", gpu.set_stream)
     replace(torch.cuda, "empty_cache", gpu.empty_cache)
+    replace(torch.cuda, "is_current_stream_capturing", gpu.is_current_stream_capturing)
+    replace(torch._C, "_cuda_hasPrimaryContext", lambda index: index in gpu.contexts)
+    replace(torch.cuda, "memory_reserved", lambda device=None: gpu.allocator(device).reserved)
+    replace(torch.cuda, "memory_allocated", lambda device=None: gpu.allocator(device).allocated)
+    replace(torch.cuda, "max_memory_reserved",
+            lambda device=None: gpu.allocator(device).peak_reserved)
+    replace(torch.cuda, "reset_peak_memory_stats",
+            lambda device=None: gpu.allocator(device).reset_peak())
+    replace(torch.cuda, "mem_get_info", gpu.mem_get_info)
     replace(torch.cuda, "is_initialized", lambda: True)
     replace(torch.cuda, "Stream", gpu.pool_stream)
     replace(torch.cuda, "ExternalStream", gpu.external_stream)
