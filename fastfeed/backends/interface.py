@@ -29,6 +29,7 @@ from fastfeed.autotune import initial_workers
 from fastfeed.codec import decode_if_encoded
 from fastfeed.collate import Empty
 from fastfeed.protocol import Answer, EpochStarted, SlotAdded, StartEpoch, Stop, Task, WorkerConfig
+from fastfeed.shared_lists import ListsCache
 from fastfeed.slots import Lease, SlotPool
 
 __all__ = ["ABANDONED_GRACE", "SHUTDOWN_GRACE", "BackendArgs", "BackendTraits", "FromWorker",
@@ -49,15 +50,15 @@ class BackendArgs:
         placement: where the workers go, as :meth:`WorkerBackend.placement` checked it.
         landing_tail: finishes each batch as this process lands it (a backend whose traits
             say it lands batches; see :mod:`fastfeed.tail_split`).
-        share_lists: workers that own their process read the dataset's large lists from one
-            shared copy (:mod:`fastfeed.shared_lists`).
+        lists: the loader's packed lists: workers that own their process read the dataset's
+            large lists from one shared copy (:mod:`fastfeed.shared_lists`); None: they do not.
     """
 
     slot_pool: SlotPool | None = None
     multiprocessing_context: Any = None
     placement: dict[str, Any] | None = None
     landing_tail: Callable[[Any, Empty], Any] | None = None
-    share_lists: bool = True
+    lists: ListsCache | None = None
 
 
 @dataclass(frozen=True)

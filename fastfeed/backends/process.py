@@ -128,7 +128,7 @@ class ProcessBackend(OnThisMachine):
         self._results = _queue(context)
         self._shutting_down = ShutdownFlag(context)
         self.workers: list[ProcessWorker] = []
-        self._share_lists = args.share_lists
+        self._lists_cache = args.lists
         self._lists: ListsSnapshot | None = None  # taken as the first worker starts
         inherited_fds.register(self)
 
@@ -166,12 +166,13 @@ class ProcessBackend(OnThisMachine):
         return worker
 
     def _lists_snapshot(self, config: WorkerConfig) -> ListsSnapshot:
-        """The dataset's lists as all of this pool's workers read them: packed once, when the
-        first starts, as a fork gives workers the dataset as it is when they start."""
+        """The dataset's lists as all of this pool's workers read them: taken when the first
+        starts, as a fork gives workers the dataset as it is when they start (the loader's
+        last packing, where the lists are unchanged since)."""
         if self._lists is None:
             forking = self._context.get_start_method() == "fork"
-            self._lists = (ListsSnapshot.take(config.dataset, keep_fd=not forking)
-                           if self._share_lists else ListsSnapshot([], None))
+            self._lists = (self._lists_cache.snapshot(config.dataset, keep_fd=not forking)
+                           if self._lists_cache is not None else ListsSnapshot([], None))
         return self._lists
 
     def release_inherited(self, keep: Collection[object]) -> None:
@@ -225,8 +226,7 @@ class ProcessBackend(OnThisMachine):
                 worker.control.close()
         self._results.cancel_join_thread()
         self._results.close()
-        if self._lists is not None:
-            self._lists.close()
+        # The snapshot's descriptor is the loader's now: the next epoch may start from it.
 
 
 def _queue(context: Any) -> Any:

@@ -70,7 +70,8 @@ class WorkerPoolIterator(BaseIterator):
         self.slot_pool = setup.slot_pool
         backend = setup.backend(BackendArgs(self.slot_pool, loader.multiprocessing_context,
                                             setup.placement, setup.host.tail.landing_tail,
-                                            setup.share_lists))
+                                            setup.carry_over.lists if setup.share_lists
+                                            else None))
         self._crew = WorkerCrew(backend, self._book, self.slot_pool, self._timeout)
         # Dropped without close() (a break, an error, an abandoned epoch), the iterator's
         # workers are stopped by a finaliser that holds the crew, not by __del__: collected

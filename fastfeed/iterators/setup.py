@@ -22,6 +22,7 @@ from fastfeed._torch_compat import auto_collation, is_iterable_dataset, persiste
 from fastfeed.autotune import WorkerTuner
 from fastfeed.backends import AUTO, WorkerBackend, backend_named, candidates
 from fastfeed.resume import LoaderState
+from fastfeed.shared_lists import ListsCache
 from fastfeed.slots import SlotPool, slots_supported
 from fastfeed.slots.page_lock import Pinner
 from fastfeed.tail_split import TailPlacement, batch_tail_split, place_tail
@@ -72,6 +73,7 @@ class CarryOver:
     workers: int | None = None  # where the tuner settled
     tuner: WorkerTuner | None = None  # one per loader: its bounds hold across epochs
     resume: LoaderState | None = None  # from load_state_dict, for the next epoch to start
+    lists: ListsCache = field(default_factory=ListsCache)  # the last packing of its lists
 
     def take_resume(self) -> LoaderState | None:
         resume, self.resume = self.resume, None

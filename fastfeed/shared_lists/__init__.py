@@ -16,11 +16,15 @@ those instead; the user's objects in the main process are not changed. One modul
 - :mod:`~.packing`: the arrays in one sealed ``memfd``, mapped read-only;
 - :mod:`~.shared_list`: :class:`SharedList`, the read-only sequence a worker reads;
 - :mod:`~.handoff`: how forked and spawned workers get them (:class:`ListsSnapshot`,
-  :func:`received_config`).
+  :func:`received_config`);
+- :mod:`~.cache`: a loader's last snapshot, reused by the next epoch's workers while the lists
+  are unchanged (:class:`ListsCache`).
 """
 
+from fastfeed.shared_lists.cache import ListsCache
 from fastfeed.shared_lists.finder import MIN_LENGTH
 from fastfeed.shared_lists.handoff import ListsHandOff, ListsSnapshot, received_config
 from fastfeed.shared_lists.shared_list import SharedList
 
-__all__ = ["MIN_LENGTH", "ListsHandOff", "ListsSnapshot", "SharedList", "received_config"]
+__all__ = ["MIN_LENGTH", "ListsCache", "ListsHandOff", "ListsSnapshot", "SharedList",
+           "received_config"]

@@ -56,12 +56,14 @@ class ListsSnapshot:
         self._tokens = {id(item.sequence): token for token, item in enumerate(found)}
 
     @classmethod
-    def take(cls, dataset: Any, keep_fd: bool) -> ListsSnapshot:
+    def take(cls, dataset: Any, keep_fd: bool, candidates: list[Found] | None = None
+             ) -> ListsSnapshot:
         """Pack the lists of ``dataset`` worth sharing; ``keep_fd``: workers started by
-        pickling (spawn, forkserver) will need the mapping's descriptor."""
+        pickling (spawn, forkserver) will need the mapping's descriptor. ``candidates``: what
+        :func:`~.finder.find_lists` found in it, where the caller has looked already."""
         started = time.perf_counter()
         found, encoded = [], []
-        for item in find_lists(dataset):
+        for item in find_lists(dataset) if candidates is None else candidates:
             sequence = encode_sequence(item.sequence)
             if sequence is not None:  # it holds something other than plain values
                 found.append(item)
