@@ -5,6 +5,7 @@ FastLoader's real copy path; the device runs only when the test says, in the ord
 expose a broken rule."""
 
 import dataclasses
+import functools
 import threading
 
 import cuda_model
@@ -87,14 +88,15 @@ class Sealed(Holder):
         return Sealed, (self.images, self.labels)
 
 
-def collate_into(kind):
-    def collate(samples):  # made outside the slot: the codec writes both into it
-        return kind(torch.stack([image for image, _ in samples]),
-                    torch.tensor([label for _, label in samples]))
-    return collate
+def collate_into(kind, samples):
+    # Made outside the slot: the codec writes both into it.
+    return kind(torch.stack([image for image, _ in samples]),
+                torch.tensor([label for _, label in samples]))
 
 
-collate_pair, collate_holder, collate_sealed = map(collate_into, (Pair, Holder, Sealed))
+# Partials of module-level names: workers started by pickling (forkserver, spawn) get them too.
+collate_pair, collate_holder, collate_sealed = (functools.partial(collate_into, kind)
+                                                for kind in (Pair, Holder, Sealed))
 
 
 @pytest.mark.parametrize("collate", [collate_pair, collate_holder], ids=["dataclass", "object"])
