@@ -76,8 +76,10 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--epochs", type=int, default=3)
     args = parser.parse_args()
+    # A lambda does not pickle: workers started by pickling the dataset (forkserver, Python
+    # 3.14's default on Linux, or spawn) could not get it, so this script forks them.
     loader = DataLoader(Signals(STAGES), batch_size=BATCH, shuffle=True, num_workers=2,
-                        collate_fn=collate)
+                        collate_fn=collate, multiprocessing_context="fork")
     weight = torch.zeros(SAMPLE)
     for epoch in range(args.epochs):
         for batch in loader:

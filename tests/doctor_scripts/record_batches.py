@@ -8,6 +8,7 @@ in the workers, so a doctor that disturbed seeding or batches would change the l
 """
 
 import argparse
+import functools
 import hashlib
 import os
 import random
@@ -27,11 +28,9 @@ class Noisy(Dataset):
         return torch.arange(4, dtype=torch.float32) * i + jitter, i
 
 
-def record_pid(path):
-    def init(worker_id):
-        with open(path, "a") as f:
-            f.write(f"{os.getpid()}\n")
-    return init
+def record_pid(path, worker_id):
+    with open(path, "a") as f:
+        f.write(f"{os.getpid()}\n")
 
 
 def main():
@@ -53,7 +52,7 @@ def main():
     random.seed(1234)
     np.random.seed(1234)
     loader = DataLoader(Noisy(), batch_size=4, shuffle=True, num_workers=args.workers,
-                        worker_init_fn=record_pid(args.out + ".pids"))
+                        worker_init_fn=functools.partial(record_pid, args.out + ".pids"))
     seen = 0
     with open(args.out, "w") as out:
         for _ in range(args.epochs):
