@@ -114,7 +114,8 @@ class Planner:
             transform=chain(tail.device_tail, options.gpu_transform),
             gpu_transform=options.gpu_transform, prefetch_depth=options.prefetch_depth,
             auto_collation=auto_collation(loader),
-            watches_gpu=copy_device is not None or pinned_ahead is not None)
+            watches_gpu=copy_device is not None or (
+                loader.pin_memory and torch.cuda.is_available()))
         return EpochPlan(host, stage)
 
     def _host(self, loader: DataLoader, options: LoaderOptions, copy_device: int | None,

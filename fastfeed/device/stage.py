@@ -53,7 +53,8 @@ class StagePlan:
             seed when it has a ``seed`` method.
         prefetch_depth: batches copied ahead of the consumer.
         auto_collation: the loader batches samples itself (how delivered samples are counted).
-        watches_gpu: the batches head for a CUDA device: the stage's GPU sampler reads it.
+        watches_gpu: the batches head for a CUDA device (fastfeed copies them there, or they
+            are pinned for the user's copy): the stage's GPU sampler reads it.
     """
 
     target: torch.device | None = None
