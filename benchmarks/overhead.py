@@ -105,7 +105,7 @@ def measure_one(loader_name: str, dtype: str, batch_size: int, workers: int, bat
     for _ in range(batches):
         touch(next(iterator))
     elapsed = time.perf_counter() - start
-    ring_mb = loader.stats().ring_mb if isinstance(loader, FastLoader) else 0.0
+    ring_mb = loader.stats().slot_mb if isinstance(loader, FastLoader) else 0.0
     del iterator
     return {
         "batches_per_s": batches / elapsed,

@@ -90,7 +90,7 @@ def batches(feed: str, args: argparse.Namespace, device: torch.device) -> Iterat
 
 
 def run_feed(feed: str, args: argparse.Namespace) -> dict[str, float | None]:
-    from fastfeed.telemetry import GpuSampler
+    from fastfeed.gpu_sampler import GpuSampler
 
     device = torch.device(args.device)
     model = build_model(args.model, args.classes).to(device, memory_format=torch.channels_last)
@@ -126,7 +126,7 @@ def run_feed(feed: str, args: argparse.Namespace) -> dict[str, float | None]:
     busy = None
     if sampler is not None:
         sampler.stop()
-        readings = sampler.average()
+        readings = sampler.since_start()
         busy = readings[0].utilization if readings else None
     return {"images_per_s": args.steps * args.batch_size / elapsed,
             "wait_share": waited / elapsed, "gpu_busy": busy}

@@ -79,7 +79,7 @@ def train_once(config: str, data_yaml: Path, args: argparse.Namespace) -> list[d
         if hasattr(trainer.train_loader, "stats"):  # a FastLoader says where its time went
             stats = trainer.train_loader.stats()
             record.update(stage_ms=stats.stage_ms, workers_busy=stats.worker_utilization,
-                          ring_mb=stats.ring_mb, gpu_busy=[g.utilization for g in stats.gpu])
+                          ring_mb=stats.slot_mb, gpu_busy=[g.utilization for g in stats.gpu])
         epochs.append(record)
 
     model = YOLO("yolov8n.yaml")

@@ -3,7 +3,7 @@
 // Workers gather the samples of a batch straight into a shared-memory slot. The copies run
 // with the GIL released and, when a batch is large, on several threads. The module links to
 // nothing but the C++ runtime: no torch and no CUDA, so that it builds and imports anywhere.
-// Pointers arrive as integers; the Python wrapper (fastfeed/_copy.py) checks sizes, dtypes and
+// Pointers arrive as integers; the Python wrapper (fastfeed/_stack.py) checks sizes, dtypes and
 // contiguity and keeps the sources alive for the duration of the call.
 
 #include <pybind11/pybind11.h>

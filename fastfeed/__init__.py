@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastfeed.loader import FastLoader
 from fastfeed.skip import SKIP
-from fastfeed.telemetry import LoaderStats
+from fastfeed.stats import LoaderStats
 from fastfeed.worker import worker_info
 
 __version__ = "0.1.0"

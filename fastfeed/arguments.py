@@ -8,7 +8,7 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
-from fastfeed.backends import candidates, checked_placement
+from fastfeed.backends import backends_for, checked_placement
 
 __all__ = ["check_arguments", "cores_warning_muted"]
 
@@ -47,7 +47,7 @@ def check_arguments(*, dataset: Any, worker_mode: Any, ray_options: Any, determi
 def cores_warning_muted(worker_mode: str) -> Iterator[None]:
     """Mute torch's warning that more workers than this machine's cores may freeze it, for
     workers on a cluster's cores; workers on this machine keep it exactly as torch gives it."""
-    if not any(b.traits.uses_cluster_cores for b in candidates(worker_mode)):
+    if not any(b.traits.uses_cluster_cores for b in backends_for(worker_mode)):
         yield
         return
     with warnings.catch_warnings():

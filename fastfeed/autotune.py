@@ -14,23 +14,27 @@ Idle cores do not gate the trial: a busy machine says nothing about whether the 
 on storage (the per-batch work of the main process and the training step keep the cores busy
 while I/O-bound workers sleep), and the verdict on throughput does. On CPU-bound data the
 trial costs a few windows and a count that did not pay is never tried again. Where the window
-carries the workers' sleep share (:class:`WorkerSleepMeter`), no trial asks for more cores
-than there are: on a shared machine, CPU-bound workers past the cores raise throughput only by
-taking the cores from other processes. The decision logic takes numbers, not clocks, so it is
-unit-tested on simulated rates.
+carries the workers' sleep share (:class:`~fastfeed._proc.WorkerSleepMeter`), no trial asks
+for more cores than there are: on a shared machine, CPU-bound workers past the cores raise
+throughput only by taking the cores from other processes. The decision logic takes numbers,
+not clocks, so it is unit-tested on simulated rates; the meters are in :mod:`fastfeed._proc`.
 """
 
 from __future__ import annotations
 
-import os
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass
 
-from fastfeed._proc import available_cpus, available_memory, resident_memory
+from fastfeed._proc import (
+    CpuMeter,
+    WorkerSleepMeter,
+    available_cpus,
+    available_memory,
+    resident_memory,
+)
 
-__all__ = ["CpuMeter", "TuningWindows", "Window", "WorkerSleepMeter", "WorkerTuner",
-           "available_cpus", "initial_workers"]
+__all__ = ["TuningWindows", "Window", "WorkerTuner", "available_cpus", "initial_workers",
+           "memory_cap"]
 
 # A worker is budgeted at the main process's RSS (it is a fork of it) and at least this much.
 _MIN_WORKER_BYTES = 256 << 20
@@ -61,83 +65,6 @@ def initial_workers() -> tuple[int, int]:
     budget = memory_cap()
     maximum = max(1, min(max(16, _WORKERS_PER_CORE * cores), _MAX_WORKERS, budget))
     return max(1, min(cores, 8, maximum)), maximum
-
-
-class CpuMeter:
-    """Idle cores between two readings of /proc/stat (None where it is unreadable)."""
-
-    def __init__(self) -> None:
-        self._last = self._read()
-
-    @staticmethod
-    def _read() -> tuple[int, int] | None:
-        try:
-            with open("/proc/stat") as f:
-                values = [int(v) for v in f.readline().split()[1:]]
-        except (OSError, ValueError):
-            return None
-        idle = values[3] + (values[4] if len(values) > 4 else 0)
-        return idle, sum(values)
-
-    def idle_cores(self) -> float | None:
-        now = self._read()
-        last, self._last = self._last, now
-        if now is None or last is None or now[1] <= last[1]:
-            return None
-        return (now[0] - last[0]) / (now[1] - last[1]) * (os.cpu_count() or 1)
-
-
-class WorkerSleepMeter:
-    """The workers' share of wall time spent neither running nor waiting for a core, between
-    two readings of ``/proc/<task>/schedstat`` (Linux; None where unreadable).
-
-    What tells I/O-bound workers from CPU-bound ones on a busy machine: a worker that waits on
-    storage sleeps; a CPU-bound one runs, or waits in the run queue when other processes hold
-    the cores, and neither counts as sleep. Idle-cores readings cannot tell them apart there,
-    and throughput alone cannot either: more CPU-bound workers than cores do raise throughput
-    on a shared machine, by taking the cores from other users' processes.
-
-    A task is one thread: a worker process is measured by its main thread, which runs the
-    dataset and the collate (one read per worker). Its wait for threads a dataset starts
-    itself, and a thread worker's wait for the GIL, read as sleep: that errs towards more
-    workers, where the throughput verdict still decides.
-
-    Args:
-        tasks: tasks to take a first reading of, so that the first
-            :meth:`sleep_fraction` measures them.
-    """
-
-    def __init__(self, tasks: Iterable[int] = ()) -> None:
-        self._last = self._read(tasks)
-
-    @staticmethod
-    def _read(tasks: Iterable[int]) -> dict[int, tuple[int, float]]:
-        """task -> (ns running or in the run queue, wall s), for the tasks still there."""
-        now = time.monotonic()
-        readings = {}
-        for task in tasks:
-            try:
-                with open(f"/proc/{task}/schedstat") as f:
-                    on_cpu, run_queue = (int(v) for v in f.read().split()[:2])
-            except (OSError, ValueError):
-                continue  # the worker exited (retired, or at the end of its epoch)
-            readings[task] = (on_cpu + run_queue, now)
-        return readings
-
-    def sleep_fraction(self, tasks: Iterable[int]) -> float | None:
-        """Sleep share of ``tasks`` (worker pids, or native thread ids of thread workers)
-        since the last reading; tasks first seen now start their measurement."""
-        readings = self._read(tasks)
-        busy = wall = 0.0
-        for task, (ns, now) in readings.items():
-            if task in self._last:
-                last_ns, last_time = self._last[task]
-                busy += (ns - last_ns) / 1e9
-                wall += now - last_time
-        self._last = readings
-        if wall <= 0:
-            return None
-        return min(1.0, max(0.0, 1 - busy / wall))
 
 
 @dataclass(frozen=True)

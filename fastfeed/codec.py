@@ -22,7 +22,7 @@ from typing import Any, Literal, NamedTuple
 import numpy as np
 import torch
 
-from fastfeed._copy import bytes_are_values
+from fastfeed._stack import bytes_are_values
 from fastfeed.protocol import Encoded
 from fastfeed.slots.arena import Arena
 from fastfeed.slots.pool import Lease

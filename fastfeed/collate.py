@@ -24,7 +24,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from fastfeed._copy import bytes_are_values, stack_hwc_to_chw, stack_into
+from fastfeed._stack import bytes_are_values, stack_hwc_to_chw, stack_into
 from fastfeed._torch_compat import collate_tensor_fn, collate_with, default_collate
 
 __all__ = ["CollateInto", "Empty", "SlotCollate", "as_collate_into", "batch_shape",

@@ -13,9 +13,9 @@ import PIL
 import torch
 
 import fastfeed
-from fastfeed._copy import extension_loaded
 from fastfeed._imports import importable
 from fastfeed._install import install_line
+from fastfeed._stack import extension_loaded
 from fastfeed.autotune import available_cpus
 from fastfeed.nvml import nvml_status
 from fastfeed.slots import slots_supported

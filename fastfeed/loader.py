@@ -14,24 +14,19 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from fastfeed._torch_compat import (
     DATALOADER_RUNTIME,
-    auto_collation,
     drop_persistent_iterator,
     is_datapipe,
     persistent_iterator,
     torch_iterator,
 )
 from fastfeed.arguments import check_arguments, cores_warning_muted
-from fastfeed.backends import candidates
-from fastfeed.device import DeviceStage, EpochPlan, StageOptions, check_device
-from fastfeed.iterators import (
-    IteratorPlanner,
-    IteratorSetup,
-    PoolOptions,
-    SingleProcessIterator,
-    WorkerPoolIterator,
-)
+from fastfeed.backends import backends_for
+from fastfeed.device import DeviceStage, check_device
+from fastfeed.iterators import SingleProcessIterator, WorkerPoolIterator
+from fastfeed.planning import EpochPlan, LoaderOptions, Planner
 from fastfeed.resume import EpochStart, LoaderState, RandomSources
-from fastfeed.telemetry import LoaderStats, Telemetry
+from fastfeed.stats import LoaderStats
+from fastfeed.telemetry import Telemetry
 
 __all__ = ["OWN_OPTIONS", "FastLoader"]
 
@@ -159,7 +154,7 @@ class FastLoader(DataLoader):
         self.autotune = num_workers == "auto"
         self._max_workers = 0  # the tuner's bound, with num_workers="auto"
         if self.autotune:  # this machine's cores, or a cluster's free resources
-            backend = candidates(worker_mode, dataset, deterministic)[0]
+            backend = backends_for(worker_mode, dataset, deterministic)[0]
             num_workers, self._max_workers = backend.worker_bounds(self._placement)
         elif isinstance(num_workers, str):  # a TypeError, as torch's comparison with 0 raises
             raise TypeError(
@@ -206,8 +201,8 @@ class FastLoader(DataLoader):
         self._telemetry = Telemetry(self.log_every,
                                     describe=partial(_summary, weakref.ref(self)))
         self._device_stage = DeviceStage(self._telemetry)
-        self._planner = IteratorPlanner(self._telemetry)  # the slot pool, what carries over
-        self._epoch_plan: EpochPlan | None = None  # the epoch __iter__ is starting
+        self._planner = Planner(self._telemetry, self._device_stage)
+        self._starting_plan: EpochPlan | None = None  # see __iter__
         self._live_iterator: Callable[[], Any] = lambda: None
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -220,7 +215,7 @@ class FastLoader(DataLoader):
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__
-        runtime = ("_telemetry", "_device_stage", "_planner", "_epoch_plan", "_live_iterator",
+        runtime = ("_telemetry", "_device_stage", "_planner", "_starting_plan", "_live_iterator",
                    *DATALOADER_RUNTIME)
         return {k: v for k, v in state.items() if k not in runtime}
 
@@ -247,21 +242,16 @@ class FastLoader(DataLoader):
             self._telemetry.reset()
         return snapshot
 
-    def _plan_epoch(self) -> EpochPlan:
-        """The next epoch's plan (see :class:`fastfeed.device.EpochPlan`), made once."""
-        options = StageOptions(self.device, self.pin_memory, self.prefetch_depth,
-                               self.gpu_transform, self.num_workers, auto_collation(self))
-        tail = self._planner.tail(self, self.worker_mode, on_device=self.device is not None)
-        return self._device_stage.plan(options, tail)
-
-    def _iterator_setup(self, plan: EpochPlan) -> IteratorSetup:
-        """Everything fastfeed decides for a new host iterator (see ``iterators/setup.py``)."""
-        options = PoolOptions(
-            worker_mode=self.worker_mode, placement=self._placement,
-            ring_slots=self.ring_slots, deterministic=self.deterministic,
-            autotune=self.autotune, max_workers=self._max_workers,
-            share_lists=self.share_lists)
-        return self._planner.setup(self, options, plan.host)
+    def _plan_epoch(self, new_host: bool = True) -> EpochPlan:
+        """The next epoch's plan (see :mod:`fastfeed.planning`), run by a new host iterator or,
+        with ``new_host=False``, by the running persistent one."""
+        options = LoaderOptions(
+            device=self.device, prefetch_depth=self.prefetch_depth,
+            gpu_transform=self.gpu_transform, worker_mode=self.worker_mode,
+            placement=self._placement, ring_slots=self.ring_slots,
+            deterministic=self.deterministic, autotune=self.autotune,
+            max_workers=self._max_workers, share_lists=self.share_lists)
+        return self._planner.plan(self, options, new_host)
 
     def state_dict(self) -> dict[str, Any]:
         """Return a snapshot from which :meth:`load_state_dict` resumes at the next batch.
@@ -303,12 +293,18 @@ class FastLoader(DataLoader):
             drop_persistent_iterator(self)
         if self.persistent_workers:  # nothing may read the iterator that starts an epoch
             self._device_stage.release_host()
-        plan = self._epoch_plan = self._plan_epoch()
+        # As torch's __iter__ below: persistent workers carry on with their iterator.
+        reused = self.persistent_workers and self.num_workers > 0 and (
+            persistent_iterator(self) is not None)
+        plan = self._plan_epoch(new_host=not reused)
+        # torch's __iter__ makes the host iterator through _get_iterator(), which takes no
+        # arguments: the plan waits on the loader for that one call.
+        self._starting_plan = plan
         try:
-            host = super().__iter__()  # torch's own: it calls _get_iterator, or resets
+            host = super().__iter__()
         finally:
-            self._epoch_plan = None
-        iterator = self._device_stage.wrap(host, plan)
+            self._starting_plan = None
+        iterator = self._device_stage.wrap(host, plan.stage)
         self._live_iterator = weakref.ref(iterator)
         return iterator
 
@@ -316,13 +312,16 @@ class FastLoader(DataLoader):
         if is_datapipe(self.dataset):
             # DataPipes (deprecated in torch) need torch's sharding hooks: use torch's iterators.
             return torch_iterator(self)
-        setup = self._iterator_setup(self._epoch_plan or self._plan_epoch())
+        # Called by torch's __iter__, as ours starts an epoch; else planned here (a framework
+        # that makes its iterators itself).
+        plan = (self._starting_plan or self._plan_epoch()).host
         if self.num_workers == 0:
-            return SingleProcessIterator(self, setup)
+            return SingleProcessIterator(self, plan)
+        assert plan.backend is not None
         # "auto" goes past the cores only when that measured faster; a cluster's are not these.
-        if not self.autotune and not setup.backend.traits.uses_cluster_cores:
+        if not self.autotune and not plan.backend.traits.uses_cluster_cores:
             self.check_worker_number_rationality()
-        return WorkerPoolIterator(self, setup)
+        return WorkerPoolIterator(self, plan)
 
 
 # FastLoader's own keywords and defaults: what integrations pass on and rebuild loaders with.

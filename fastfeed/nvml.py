@@ -39,7 +39,7 @@ def _init() -> str:
 
 def nvml_handle(device: int | str) -> object:
     """The NVML handle of ``device``: an NVML index, or a UUID or UUID prefix as
-    :func:`fastfeed.placement.nvml_device_for` returns them. Requires a prior NVML init.
+    :func:`fastfeed.which_gpu.nvml_device_for` returns them. Requires a prior NVML init.
 
     Raises:
         LookupError: no GPU has that UUID (or the prefix matches several).

@@ -44,6 +44,7 @@ __all__ = [
     "Encoded",
     "EpochStarted",
     "Failed",
+    "FromWorker",
     "PrivateSlot",
     "Produced",
     "ReplicaEnded",
@@ -55,6 +56,7 @@ __all__ = [
     "StartEpoch",
     "Stop",
     "Task",
+    "ToWorker",
     "WorkerConfig",
 ]
 
@@ -250,3 +252,8 @@ class EpochStarted:
     """A persistent worker's acknowledgement of :class:`StartEpoch`."""
 
     epoch: int
+
+
+# What a worker's task queue carries, and what it answers with.
+ToWorker = Task | StartEpoch | Stop
+FromWorker = Answer | EpochStarted

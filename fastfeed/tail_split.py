@@ -4,7 +4,7 @@ whole batches, without the core knowing the integration.
 A dataset opts in through its ``transform``: an object with ``split_batch_tail(dataset)``
 returning a :class:`BatchTailSplit` (``fastfeed.vision.accelerate`` gives its transforms
 one). The loader then ships the split's ``dataset``, whose items stop at, say, uint8 images,
-and finishes each batch with the split's tail (:func:`place_tail` says where):
+and finishes each batch with the split's tail (:func:`plan_tail` says where):
 
 - with a ``device``, on the device, on the copy stream: a quarter of the bytes cross to it;
 - with Ray workers, in the main process as it lands each batch in its pool slot: a quarter of
@@ -28,7 +28,7 @@ from torch.utils.data import Dataset
 from fastfeed._torch_compat import default_collate
 from fastfeed.collate import Empty, SlotCollate
 
-__all__ = ["BatchTailSplit", "TailPlacement", "batch_tail_split", "place_tail"]
+__all__ = ["BatchTailSplit", "TailPlan", "batch_tail_split", "plan_tail"]
 
 
 @dataclass(frozen=True)
@@ -60,8 +60,8 @@ class BatchTailSplit:
 
 
 @dataclass(frozen=True)
-class TailPlacement:
-    """Where one iterator finishes a split's batches; the default, without a split: nowhere.
+class TailPlan:
+    """Where one host iterator finishes a split's batches; the default, without a split: nowhere.
 
     Attributes:
         dataset: what the workers read instead of the loader's dataset.
@@ -100,8 +100,8 @@ def batch_tail_split(dataset: Any, collate_fn: Any, auto_collation: bool
     return None
 
 
-def place_tail(split: BatchTailSplit | None, on_device: bool, lands_batches: bool
-               ) -> TailPlacement:
+def plan_tail(split: BatchTailSplit | None, on_device: bool, lands_batches: bool
+               ) -> TailPlan:
     """Where ``split``'s tail runs: on the device when there is one; as this process lands
     the workers' batches, where it does (Ray's: they cross the object store as the split's
     short items collate, uint8 for images); else in the workers, into the pool slot.
@@ -110,11 +110,11 @@ def place_tail(split: BatchTailSplit | None, on_device: bool, lands_batches: boo
         ValueError: the split's tail runs only on a device, and there is none.
     """
     if split is None:
-        return TailPlacement()
+        return TailPlan()
     if on_device:
-        return TailPlacement(split.dataset, split.device_collate, device_tail=split.tail)
+        return TailPlan(split.dataset, split.device_collate, device_tail=split.tail)
     if split.collate is None or split.tail_into is None:
         raise ValueError(split.needs_device)
     if lands_batches:
-        return TailPlacement(split.dataset, landing_tail=split.tail_into)
-    return TailPlacement(split.dataset, collate_fn=split.collate)
+        return TailPlan(split.dataset, landing_tail=split.tail_into)
+    return TailPlan(split.dataset, collate_fn=split.collate)

@@ -21,8 +21,8 @@ import numpy as np
 import torch
 from torch.utils.data import get_worker_info
 
-from fastfeed._copy import set_copy_threads
 from fastfeed._proc import available_cpus
+from fastfeed._stack import set_copy_threads
 from fastfeed._torch_compat import (
     ExceptionWrapper,
     name_worker_process,

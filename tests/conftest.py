@@ -4,7 +4,7 @@ import sys
 from pathlib import Path
 
 # Misusing a slot pool ticket (a double release) raises in tests instead of being logged.
-os.environ["FASTFEED_STRICT_RING"] = "1"
+os.environ["FASTFEED_STRICT_SLOTS"] = "1"
 
 # A suite started in the background by a shell without job control (`nohup ... &`) inherits
 # SIGINT ignored, and so would every Python it starts: the Ctrl-C and SIGTERM tests would then

@@ -29,7 +29,7 @@ from torchvision.transforms import v2  # noqa: E402
 from fastfeed import FastLoader  # noqa: E402
 from fastfeed._torch_compat import default_collate  # noqa: E402
 from fastfeed.slots import Arena  # noqa: E402
-from fastfeed.tail_split import batch_tail_split, place_tail  # noqa: E402
+from fastfeed.tail_split import batch_tail_split, plan_tail  # noqa: E402
 from fastfeed.vision import ImageFolder as FastImageFolder  # noqa: E402
 from fastfeed.vision.accelerate import (  # noqa: E402
     BatchTail,
@@ -426,7 +426,7 @@ def test_what_the_workers_run(root):
     assert on_device._host._dataset.transform.defer_tail
     assert isinstance(on_device._transform, BatchTail)
     # Ray workers: they collate uint8, and the main process runs the tail as batches land.
-    on_ray = place_tail(batch_tail_split(fast, default_collate, True), False, "ray")
+    on_ray = plan_tail(batch_tail_split(fast, default_collate, True), False, "ray")
     assert on_ray.collate_fn is None and on_ray.device_tail is None
     assert on_ray.dataset.transform.defer_tail and on_ray.landing_tail is not None
     per_sample = accelerate(datasets.ImageFolder(str(root), transform=PIPELINES["v1-jitter"]()))

@@ -14,11 +14,10 @@ from sample_datasets import SlowDataset
 from torch.utils.data import Dataset
 
 from fastfeed import FastLoader
-from fastfeed._proc import available_cpus
+from fastfeed._proc import WorkerSleepMeter, available_cpus
 from fastfeed.autotune import (
     TuningWindows,
     Window,
-    WorkerSleepMeter,
     WorkerTuner,
     initial_workers,
     memory_cap,

@@ -247,7 +247,7 @@ def test_pin_memory_batches_are_pinned_copies():
 
 
 @pytest.mark.gpu
-def test_device_ring_slots_are_page_locked():
+def test_device_slots_are_page_locked():
     # device="cuda": fastfeed copies from the slots themselves, which must be page-locked
     # (cudaHostRegister), or the "non_blocking" copies would be synchronous.
     loader = FastLoader(TensorDataset(n=64), batch_size=4, num_workers=2, device="cuda",
@@ -255,7 +255,7 @@ def test_device_ring_slots_are_page_locked():
     for _ in range(2):
         list(loader)
     slots = list(loader._planner.slot_pool._slots.values())
-    assert slots and all(slot.pinned for slot in slots)
+    assert slots and all(slot.page_locked for slot in slots)
     assert all(torch.from_numpy(slot.memory).is_pinned() for slot in slots)
 
 

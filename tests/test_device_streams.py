@@ -305,7 +305,7 @@ def test_the_ultralytics_pixel_ops_make_no_host_sync_per_batch(gpu):
         pixel_ops._division_table.cache_clear()
 
 
-def test_a_batch_outside_the_ring_is_staged_through_torchs_pinned_pool(gpu):
+def test_a_batch_outside_the_slot_pool_is_staged_through_torchs_pinned_pool(gpu):
     # num_workers=0: nothing to fence; the copy still reads page-locked memory, torch's.
     copier = StreamCopier(torch.device("cuda", 0), torch.cuda.Stream())
     batch, event = copier.copy(HostBatch([torch.arange(4)], None), None, Telemetry())

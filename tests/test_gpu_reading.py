@@ -109,7 +109,7 @@ def test_without_nvml_there_is_a_reason_and_no_reading(monkeypatch):
     sampler = GpuSampler(0)
     sampler.start()
     assert sampler.status == "nvidia-ml-py is not installed"
-    assert sampler.reading(0.0) == [] and sampler.average() == []
+    assert sampler.reading(0.0) == [] and sampler.since_start() == []
     sampler.stop()
 
 

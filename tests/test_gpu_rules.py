@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader
 import fastfeed.slots.pool as pool_module
 from fastfeed import FastLoader
 from fastfeed.slots import Arena, SlotOwnershipError, SlotPool
-from fastfeed.slots.page_lock import Pinner, TorchCudaRuntime
+from fastfeed.slots.page_lock import PageLocker, TorchCudaRuntime
 from fastfeed.tree import map_tensors
 
 
@@ -88,7 +88,7 @@ def test_a_lease_returns_its_slot_only_when_the_last_view_dies():
         slot_pool.lease(ticket)  # a ticket is used once
 
 
-def test_a_lease_dying_while_the_ring_is_locked_does_not_deadlock():
+def test_a_lease_dying_while_the_slot_pool_is_locked_does_not_deadlock():
     # The cyclic collector may finalise a lease inside acquire() on the same thread.
     slot_pool = SlotPool(2, slot_bytes=4096)
     lease = slot_pool.lease(slot_pool.acquire()[0])
@@ -124,7 +124,7 @@ def test_an_adopted_slot_is_leased_to_its_batch_then_handed_out():
 
 
 @pytest.mark.parametrize("why", ["full", "too small", "closed"])
-def test_a_slot_the_ring_cannot_keep_serves_its_batch_alone(why):
+def test_a_slot_the_pool_cannot_keep_serves_its_batch_alone(why):
     slot_pool = SlotPool(1, slot_bytes=8192 if why == "too small" else 4096)
     if why == "full":
         slot_pool.acquire()
@@ -156,7 +156,7 @@ def open_memfds():
 @pytest.mark.parametrize("failure", ["warning raised as an error", "registration raises"])
 def test_a_slot_that_fails_adoption_closes_its_descriptor(monkeypatch, failure):
     if failure == "registration raises":
-        slot_pool = SlotPool(2, pin=Pinner(0, runtime=RefusingRuntime()), slot_bytes=4096)
+        slot_pool = SlotPool(2, pin=PageLocker(0, runtime=RefusingRuntime()), slot_bytes=4096)
         expected = RuntimeError
     else:
         monkeypatch.setattr(pool_module, "available_memory", lambda: 4096)  # over half of it
@@ -186,7 +186,7 @@ def test_a_fenced_slot_is_not_reused_until_its_copy_completes():
     assert slot_pool.acquire()[0] is not None
 
 
-def test_closing_the_ring_waits_for_copies_still_reading_it():
+def test_closing_the_slot_pool_waits_for_copies_still_reading_it():
     slot_pool = SlotPool(1, slot_bytes=4096)
     lease = slot_pool.lease(slot_pool.acquire()[0])
     event = HeldEvent()
@@ -243,25 +243,6 @@ def test_the_model_shows_a_slot_rewritten_under_a_copy_nothing_fences(gpu, monke
 
 
 # -- which memory each copy reads ---------------------------------------------------------------
-
-def test_slots_are_page_locked_only_when_fastfeed_owns_the_copy(monkeypatch):
-    # With pin_memory=True the user drives the copy (x.cuda(non_blocking=True) on any stream);
-    # torch guards only the pinned memory it allocated, so a slot must never be handed out
-    # pinned. With device="cuda" fastfeed owns the copy and fences the slot.
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    user_copies = FastLoader(TensorDataset(), batch_size=4, num_workers=2, pin_memory=True)
-    plan = user_copies._plan_epoch()
-    setup = user_copies._iterator_setup(plan)
-    assert setup.slot_pool is not None and setup.slot_pool.pin is None
-    assert plan.pinned_ahead is not None  # batches pinned ahead of the consumer, or in next()
-
-    fastfeed_copies = FastLoader(TensorDataset(), batch_size=4, num_workers=2, device="cuda",
-                                 pin_memory=True)
-    fastfeed_copies._device_stage._target = torch.device("cuda", 1)
-    plan = fastfeed_copies._plan_epoch()
-    setup = fastfeed_copies._iterator_setup(plan)
-    assert setup.slot_pool.pin == Pinner(1) and plan.pinned_ahead is None
-
 
 def slot_holding(loader, tensor):
     address = tensor.data_ptr()
@@ -332,7 +313,7 @@ class RecordingRuntime:
 def test_registration_runs_on_the_loaders_gpu_and_is_undone_there():
     runtime = RecordingRuntime()
     memory = np.zeros(4096, np.uint8)
-    assert Pinner(2, runtime).register(memory)
+    assert PageLocker(2, runtime).register(memory)
     del memory
     gc.collect()
     assert runtime.calls == [("register", 2), ("unregister", 2)]
@@ -340,7 +321,7 @@ def test_registration_runs_on_the_loaders_gpu_and_is_undone_there():
 
 def test_a_failed_registration_is_read_back_and_reported_once(caplog):
     runtime = RecordingRuntime(error=1)
-    pinner = Pinner(1, runtime)
+    pinner = PageLocker(1, runtime)
     assert not pinner.register(np.zeros(4096, np.uint8))
     assert not pinner.register(np.zeros(4096, np.uint8))
     assert runtime.calls == [("register", 1), ("clear_error", 1)] * 2
@@ -351,7 +332,7 @@ def test_an_error_no_runtime_holds_stops_registration(caplog):
     # A runtime linked in statically: the error cannot be read back, so no slot is registered
     # again (each failure would leave one more for torch to report against a kernel).
     runtime = RecordingRuntime(error=1, readable=False)
-    pinner = Pinner(0, runtime)
+    pinner = PageLocker(0, runtime)
     assert not pinner.register(np.zeros(4096, np.uint8))
     assert not pinner.register(np.zeros(4096, np.uint8))
     assert runtime.calls == [("register", 0), ("clear_error", 0)]
@@ -397,6 +378,6 @@ def test_a_failed_registration_is_read_back_in_the_runtime_that_holds_it(two_run
 
     monkeypatch.setattr(torch.cuda, "cudart", TorchBindings)
     monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
-    assert not Pinner(0, TorchCudaRuntime()).register(np.zeros(4096, np.uint8))
+    assert not PageLocker(0, TorchCudaRuntime()).register(np.zeros(4096, np.uint8))
     # Left set, torch's next kernel-launch check would report it against an unrelated kernel.
     assert torchs.cudaPeekAtLastError() == 0

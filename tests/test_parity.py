@@ -52,7 +52,7 @@ def test_tensor_batches_and_drop_last(num_workers, drop_last):
 
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.float16, torch.bfloat16, torch.int64,
                                    torch.bool, torch.complex64])
-def test_dtypes_through_ring(dtype):
+def test_dtypes_through_the_slot_pool(dtype):
     compare(lambda: TensorDataset(shape=(2, 5), dtype=dtype), batch_size=4, num_workers=2)
 
 
@@ -203,7 +203,7 @@ def test_a_batch_sampler_drawing_in_iter_is_iterated_as_torch_does(num_workers):
 
 
 @pytest.mark.parametrize("ring_slots", [0, 1, None])
-def test_ring_size_does_not_change_results(ring_slots):
+def test_slot_pool_size_does_not_change_results(ring_slots):
     fast = {"ring_slots": ring_slots}
     compare(DetectionDataset, batch_size=3, num_workers=2, collate_fn=detection_collate, fast=fast)
     compare(MixedDataset, batch_size=4, num_workers=2, fast=fast, epochs=2)

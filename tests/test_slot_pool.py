@@ -39,14 +39,14 @@ def in_a_slot(loader, leaf):
     return any(s.address <= address < s.address + s.nbytes for s in slots)
 
 
-def test_batches_are_views_of_ring_slots():
+def test_batches_are_views_of_pool_slots():
     loader = FastLoader(TensorDataset(n=64), batch_size=4, num_workers=2, persistent_workers=True)
     list(loader)  # the first epoch learns the slot size
     in_slot = [in_a_slot(loader, b[0]) for b in loader]
     assert all(in_slot), in_slot
 
 
-def test_a_short_first_epoch_leaves_the_ring_grown():
+def test_a_short_first_epoch_leaves_the_slot_pool_grown():
     # The first tasks go out before the slot pool knows the batch size. Their workers write the
     # batches into slots of their own, which the slot pool keeps: the next epoch finds them with
     # their pages faulted in, instead of growing (and faulting in) the slot pool again.
@@ -82,7 +82,7 @@ def test_a_batch_sent_without_a_slot_is_sized_without_touching_shared_memory():
     assert boxed_message.required == message.required
 
 
-def test_batches_beyond_a_full_ring_leave_nothing_behind():
+def test_batches_beyond_a_full_slot_pool_leave_nothing_behind():
     loader = FastLoader(TensorDataset(n=40), batch_size=4, num_workers=2, persistent_workers=True,
                         ring_slots=1)
     list(loader)
@@ -94,7 +94,7 @@ def test_batches_beyond_a_full_ring_leave_nothing_behind():
     assert_no_leaks(before)
 
 
-def test_workers_map_no_memory_but_the_rings():
+def test_workers_map_no_memory_but_the_slot_pools():
     # A worker's private slot is the main process's once handed over: the worker must not
     # keep it mapped (the memory of a batch outside the slot pool would outlive the batch).
     loader = FastLoader(TensorDataset(n=40), batch_size=4, num_workers=2, persistent_workers=True,
@@ -326,7 +326,7 @@ def test_variable_sizes_overflow_then_grow():
     assert slot_pool_of(loader).slot_bytes >= 4 * 64 * 64 * 4
 
 
-def test_ring_is_bounded_across_epochs():
+def test_slot_pool_is_bounded_across_epochs():
     loader = FastLoader(TensorDataset(n=40), batch_size=4, num_workers=2, persistent_workers=True)
     sizes = []
     for _ in range(5):
@@ -336,7 +336,7 @@ def test_ring_is_bounded_across_epochs():
     assert sizes[-1] <= slot_pool_of(loader).max_slots * slot_pool_of(loader).slot_bytes
 
 
-def test_one_ring_serves_non_persistent_epochs():
+def test_one_slot_pool_serves_non_persistent_epochs():
     loader = FastLoader(TensorDataset(n=40), batch_size=4, num_workers=2)
     list(loader)
     slot_pool = slot_pool_of(loader)
@@ -345,7 +345,7 @@ def test_one_ring_serves_non_persistent_epochs():
     assert slot_pool_of(loader) is slot_pool
 
 
-def test_ring_refuses_slots_larger_than_memory(monkeypatch):
+def test_slot_pool_refuses_slots_larger_than_memory(monkeypatch):
     import fastfeed.slots.pool as pool_module
 
     monkeypatch.setattr(pool_module, "available_memory", lambda: 1 << 16)
@@ -354,7 +354,7 @@ def test_ring_refuses_slots_larger_than_memory(monkeypatch):
                 epochs=2, persistent_workers=True)
 
 
-def test_pickled_ring_is_empty():
+def test_pickled_slot_pool_is_empty():
     import pickle
 
     slot_pool = SlotPool(4, slot_bytes=8192)

@@ -14,9 +14,9 @@ from fastfeed.backends.registry import (
     AUTO,
     WORKER_MODES,
     backend_named,
-    candidates,
+    backends_for,
     checked_placement,
 )
 
 __all__ = ["AUTO", "WORKER_MODES", "BackendArgs", "BackendTraits", "WorkerBackend",
-           "WorkerExited", "WorkerHandle", "backend_named", "candidates", "checked_placement"]
+           "WorkerExited", "WorkerHandle", "backend_named", "backends_for", "checked_placement"]

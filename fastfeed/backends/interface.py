@@ -25,19 +25,13 @@ from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 from typing import Any, ClassVar, Protocol
 
-from fastfeed.autotune import initial_workers
-from fastfeed.codec import decode_if_encoded
 from fastfeed.collate import Empty
-from fastfeed.protocol import Answer, EpochStarted, SlotAdded, StartEpoch, Stop, Task, WorkerConfig
+from fastfeed.protocol import FromWorker, SlotAdded, ToWorker, WorkerConfig
 from fastfeed.shared_lists import ListsCache
 from fastfeed.slots import Lease, SlotPool
 
-__all__ = ["ABANDONED_GRACE", "SHUTDOWN_GRACE", "BackendArgs", "BackendTraits", "FromWorker",
-           "OnThisMachine", "QueueFedWorker",
-           "ToWorker", "WorkerBackend", "WorkerExited", "WorkerHandle"]
-
-ToWorker = Task | StartEpoch | Stop
-FromWorker = Answer | EpochStarted
+__all__ = ["ABANDONED_GRACE", "SHUTDOWN_GRACE", "BackendArgs", "BackendTraits", "WorkerBackend",
+           "WorkerExited", "WorkerHandle"]
 
 
 @dataclass(frozen=True)
@@ -132,46 +126,6 @@ class WorkerHandle(Protocol):
     def exit_reason(self) -> str | None:
         """Why the worker is gone, or None while it runs."""
         ...
-
-
-class OnThisMachine:
-    """What the backends whose workers run on this machine's cores share: they take no
-    placement, ``num_workers="auto"`` starts from this machine's cores and memory, answers
-    come on one queue, and a batch written into a slot is rebuilt over it (any other, from a
-    thread or without a slot pool, is the batch)."""
-
-    name: ClassVar[str]
-    _results: Any  # the queue every worker answers on
-
-    @classmethod
-    def refusal(cls, dataset: Any, deterministic: bool) -> str | None:
-        return None
-
-    @classmethod
-    def placement(cls, ray_options: dict[str, Any] | None) -> dict[str, Any] | None:
-        if ray_options is not None:
-            raise ValueError("ray_options places Ray actors: it needs worker_mode='ray'")
-        return None
-
-    @classmethod
-    def worker_bounds(cls, placement: dict[str, Any] | None) -> tuple[int, int]:
-        return initial_workers()
-
-    def next_answer(self, timeout: float) -> FromWorker:
-        return self._results.get(timeout=timeout)
-
-    def rebuild(self, batch: Any, lease: Lease | None) -> Any:
-        return decode_if_encoded(batch, lease)
-
-
-class QueueFedWorker:
-    """A worker that takes its messages from a queue: a process's (shared with it) or a
-    thread's."""
-
-    task_queue: Any
-
-    def send(self, message: ToWorker) -> None:
-        self.task_queue.put(message)
 
 
 class WorkerBackend(Protocol):

@@ -27,9 +27,8 @@ from fastfeed.backends.interface import (
     SHUTDOWN_GRACE,
     BackendArgs,
     BackendTraits,
-    OnThisMachine,
-    QueueFedWorker,
 )
+from fastfeed.backends.on_this_machine import OnThisMachine, QueueFedWorker
 from fastfeed.protocol import ShutdownFlag, SlotAdded, SlotDropped, Stop, WorkerConfig
 from fastfeed.shared_lists import ListsHandOff, ListsSnapshot, received_config
 from fastfeed.slots.control import ControlPipe

@@ -14,7 +14,7 @@ from fastfeed.backends.process import ProcessBackend
 from fastfeed.backends.ray.backend import RayBackend
 from fastfeed.backends.thread import ThreadBackend
 
-__all__ = ["AUTO", "WORKER_MODES", "backend_named", "candidates", "checked_placement"]
+__all__ = ["AUTO", "WORKER_MODES", "backend_named", "backends_for", "checked_placement"]
 
 _BACKENDS: dict[str, type[WorkerBackend]] = {
     backend.name: backend for backend in (ProcessBackend, ThreadBackend, RayBackend)}
@@ -41,7 +41,7 @@ def backend_named(worker_mode: str) -> type[WorkerBackend]:
     return backend
 
 
-def candidates(worker_mode: str, dataset: Any = None, deterministic: bool = False
+def backends_for(worker_mode: str, dataset: Any = None, deterministic: bool = False
                ) -> tuple[type[WorkerBackend], ...]:
     """The backends ``worker_mode`` may run a loader of ``dataset`` with: its own, or for
     ``"auto"`` those of the contest that do not refuse it (the first of them at least)."""
@@ -60,7 +60,7 @@ def checked_placement(worker_mode: str, dataset: Any, deterministic: bool,
         ValueError, TypeError: a backend refuses the loader or the options.
         ImportError: the backend needs a library that is not installed.
     """
-    backends = candidates(worker_mode, dataset, deterministic)
+    backends = backends_for(worker_mode, dataset, deterministic)
     if worker_mode != AUTO:  # "auto" takes whichever of its contest can run the loader
         why = backends[0].refusal(dataset, deterministic)
         if why is not None:

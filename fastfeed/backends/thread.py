@@ -12,16 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from fastfeed._torch_compat import is_iterable_dataset
-from fastfeed.backends.interface import (
-    SHUTDOWN_GRACE,
-    BackendArgs,
-    BackendTraits,
-    FromWorker,
-    OnThisMachine,
-    QueueFedWorker,
-    ToWorker,
-)
-from fastfeed.protocol import ShutdownFlag, SlotAdded, Stop, WorkerConfig
+from fastfeed.backends.interface import SHUTDOWN_GRACE, BackendArgs, BackendTraits
+from fastfeed.backends.on_this_machine import OnThisMachine, QueueFedWorker
+from fastfeed.protocol import FromWorker, ShutdownFlag, SlotAdded, Stop, ToWorker, WorkerConfig
 from fastfeed.worker import share_process, worker_loop
 
 __all__ = ["ThreadBackend", "ThreadWorker"]

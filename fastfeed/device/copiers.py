@@ -5,7 +5,7 @@ stream, and the transforms run on that stream right after the copy. An event mar
 of that work; the batch's pool slot is fenced with it, the consumer's stream waits on it, and
 every device tensor is marked with ``record_stream`` (:class:`StreamCopier`).
 
-On ``device="cpu"`` the same path runs without streams or events (:class:`HostCopier`).
+On ``device="cpu"`` the same path runs without streams or events (:class:`CpuCopier`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from fastfeed.slots import Lease
 from fastfeed.telemetry import Telemetry
 from fastfeed.tree import map_arrays, map_tensors
 
-__all__ = ["Copier", "HostCopier", "StreamCopier", "pinned_source"]
+__all__ = ["Copier", "CpuCopier", "StreamCopier", "pinned_source"]
 
 
 def _dense(tensor: torch.Tensor) -> bool:
@@ -54,7 +54,7 @@ def pinned_source(tensor: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(tensor, pin_memory=True).copy_(tensor)
 
 
-class HostCopier:
+class CpuCopier:
     """``device="cpu"``: the same path with no streams, events or pinning."""
 
     def __init__(self, device: torch.device) -> None:
@@ -176,7 +176,7 @@ class StreamCopier:
         map_tensors(mark, batch, deep=True)
 
 
-Copier = HostCopier | StreamCopier
+Copier = CpuCopier | StreamCopier
 
 
 def _timed(telemetry: Telemetry, stage: str, fn: Callable[..., Any], *args: Any,

@@ -9,7 +9,7 @@ import os
 import torch
 
 from fastfeed._torch_compat import has_primary_context
-from fastfeed.placement import local_cuda_index
+from fastfeed.which_gpu import local_cuda_index
 
 __all__ = ["check_device", "resolve_device", "training_device"]
 
@@ -40,7 +40,7 @@ def resolve_device(device: str | int | torch.device) -> torch.device:
     A bare ``"cuda"`` means the GPU the process sees, when it sees only one (a launcher that
     sets ``CUDA_VISIBLE_DEVICES`` per rank); else the device the script chose with
     ``torch.cuda.set_device`` (any but 0), else ``LOCAL_RANK``'s GPU (torchrun), else GPU 0
-    (see :func:`fastfeed.placement.local_cuda_index`). Call it when the training script has
+    (see :func:`fastfeed.which_gpu.local_cuda_index`). Call it when the training script has
     chosen its device, not before.
 
     Raises:

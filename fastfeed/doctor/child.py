@@ -28,7 +28,7 @@ from fastfeed.doctor.measure import Captured, diagnose
 from fastfeed.doctor.probe import LoaderTrace, Probe, WindowClosed
 from fastfeed.doctor.settings import Settings
 from fastfeed.doctor.system import ProcessTree
-from fastfeed.telemetry import GpuSampler
+from fastfeed.gpu_sampler import GpuSampler
 
 __all__ = ["main", "run_script"]
 

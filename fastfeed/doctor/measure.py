@@ -36,8 +36,8 @@ from fastfeed.doctor.trials import (
     settle_workers,
 )
 from fastfeed.doctor.verdict import judge
+from fastfeed.gpu_sampler import GpuSampler
 from fastfeed.nvml import GpuSample
-from fastfeed.telemetry import GpuSampler
 
 __all__ = ["Captured", "Steps", "diagnose", "stages_ruled_out"]
 

@@ -32,9 +32,10 @@ from torch.utils.data import DataLoader
 
 from fastfeed.doctor.fingerprint import fingerprint, resolve
 from fastfeed.doctor.loaders import LoaderSpec
+from fastfeed.gpu_sampler import GpuSampler
 from fastfeed.loader import FastLoader
 from fastfeed.progress import progress
-from fastfeed.telemetry import GpuSampler, batch_length
+from fastfeed.telemetry import batch_length
 from fastfeed.tree import map_tensors
 
 __all__ = ["BASELINE", "Config", "Result", "TrialPlan", "ready_ms", "run_trials",

@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from fastfeed._torch_compat import index_sampler, is_iterable_dataset, iterable_len_called
-from fastfeed.iterators.setup import IteratorSetup
+from fastfeed.iterators.host_plan import HostPlan
 from fastfeed.protocol import WorkerConfig
 from fastfeed.resume import EpochStart, LoaderState, RandomSources
 from fastfeed.slots import Lease
@@ -57,10 +57,8 @@ class BaseIterator:
     :meth:`position`, :meth:`state_at`, :attr:`base_seed`, ``len()`` and :meth:`close`.
     """
 
-    def __init__(self, loader: DataLoader, setup: IteratorSetup) -> None:
-        self._setup = setup
-        tail = setup.host.tail  # a dataset whose tail runs on whole batches: where it runs
-        self._dataset: Any = loader.dataset if tail.dataset is None else tail.dataset
+    def __init__(self, loader: DataLoader, plan: HostPlan) -> None:
+        self._plan = plan
         self._iterable = is_iterable_dataset(loader.dataset)
         self._len_called = iterable_len_called(loader)
         self._auto_collation = loader.batch_sampler is not None
@@ -68,10 +66,9 @@ class BaseIterator:
         self._index_sampler = index_sampler(loader)
         self._num_workers = loader.num_workers
         self._timeout = loader.timeout
-        self._collate_fn = loader.collate_fn if tail.collate_fn is None else tail.collate_fn
         self._worker_init_fn = loader.worker_init_fn
         self._persistent_workers = loader.persistent_workers
-        self._telemetry = setup.telemetry
+        self._telemetry = plan.telemetry
 
         if loader.pin_memory and loader.pin_memory_device:
             warnings.warn(
@@ -87,7 +84,7 @@ class BaseIterator:
             )
 
         self._random = RandomSources.of(loader)
-        resume = setup.carry_over.take_resume()
+        resume = plan.carry_over.take_resume()
         if resume is not None:
             resume.epoch_start.restore(self._random)
         self._epoch_start = EpochStart.capture(self._random)
@@ -117,17 +114,17 @@ class BaseIterator:
         """What worker ``worker_id`` (or the main process, with ``num_workers=0``) needs to
         produce this iterator's batches."""
         return WorkerConfig(
-            dataset=self._dataset,
+            dataset=self._plan.dataset,
             iterable=self._iterable,
             auto_collation=self._auto_collation,
-            collate_fn=self._collate_fn,
+            collate_fn=self._plan.collate_fn,
             drop_last=self._drop_last,
             base_seed=self.base_seed,
             worker_init_fn=self._worker_init_fn if self._num_workers else None,
             worker_id=worker_id,
             num_workers=self._num_workers if num_workers is None else num_workers,
             dataset_state=dataset_state,
-            deterministic=self._setup.deterministic,
+            deterministic=self._plan.deterministic,
         )
 
     def _replica_state(self, resume: LoaderState | None, worker_id: int) -> Any:
@@ -234,12 +231,12 @@ class BaseIterator:
             self._exhausted = True
             raise
         self._num_yielded += 1
-        if not self._setup.host.terms.times_delivery:
+        if not self._plan.times_delivery:
             self._telemetry.delivered(requested, batch_length(data.batch, self._auto_collation))
         self._after_delivery()
         if self._iterable and self._len_called is not None and self._num_yielded > self._len_called:
             message = (
-                f"Length of IterableDataset {self._dataset} was reported to be "
+                f"Length of IterableDataset {self._plan.dataset} was reported to be "
                 f"{self._len_called}(when accessing len(dataloader)), but {self._num_yielded} "
                 "samples have been fetched. "
             )

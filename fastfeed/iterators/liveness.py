@@ -11,8 +11,8 @@ import threading
 import time
 
 from fastfeed.backends import WorkerBackend, WorkerExited
-from fastfeed.backends.interface import FromWorker
 from fastfeed.iterators.workers import WorkerState, WorkerTable
+from fastfeed.protocol import FromWorker
 
 __all__ = ["WaitInterrupted", "next_answer", "raise_if_a_worker_died"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch.utils.data import DataLoader
 
 from fastfeed.iterators.base_iterator import BaseIterator, HostBatch
-from fastfeed.iterators.setup import IteratorSetup
+from fastfeed.iterators.host_plan import HostPlan
 from fastfeed.produce import Producer
 
 __all__ = ["SingleProcessIterator"]
@@ -14,8 +14,8 @@ __all__ = ["SingleProcessIterator"]
 class SingleProcessIterator(BaseIterator):
     """Loads every batch in the main process; there is nothing to cross, so no slot pool."""
 
-    def __init__(self, loader: DataLoader, setup: IteratorSetup) -> None:
-        super().__init__(loader, setup)
+    def __init__(self, loader: DataLoader, plan: HostPlan) -> None:
+        super().__init__(loader, plan)
         if self._timeout != 0:
             # torch's single-process iterator refuses a timeout with the same exception type.
             raise AssertionError("timeout requires num_workers > 0 (got timeout="

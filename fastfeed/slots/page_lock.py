@@ -33,13 +33,13 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-__all__ = ["CudaRuntime", "Pinner", "TorchCudaRuntime"]
+__all__ = ["CudaRuntime", "PageLocker", "TorchCudaRuntime"]
 
 logger = logging.getLogger(__name__)
 
 
 class CudaRuntime(Protocol):
-    """The few CUDA runtime calls pinning needs (a fake one stands in for it in tests)."""
+    """The few CUDA runtime calls page-locking needs (a fake one stands in for it in tests)."""
 
     def device(self, index: int) -> contextlib.AbstractContextManager[Any]: ...
 
@@ -101,11 +101,11 @@ class TorchCudaRuntime:
 
 
 @dataclass
-class Pinner:
-    """Page-locks host arrays for CUDA device ``device_index``.
+class PageLocker:
+    """Page-locks host arrays (registers them with CUDA) for CUDA device ``device_index``.
 
     Args:
-        device_index: the device the pinned memory is copied to.
+        device_index: the device the page-locked memory is copied to.
         runtime: the CUDA runtime; ``None`` means torch's, bound on first use.
     """
 

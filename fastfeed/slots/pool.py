@@ -14,7 +14,7 @@ every slot is out) has its worker write the batch into a slot of its own; the sl
 on arrival, already leased to that batch, or maps it once for that batch alone.
 
 A ticket of an older generation is stale: using it changes nothing, and raises
-:class:`SlotOwnershipError` when ``FASTFEED_STRICT_RING=1`` (the test suite sets it), so a path
+:class:`SlotOwnershipError` when ``FASTFEED_STRICT_SLOTS=1`` (the test suite sets it), so a path
 that releases twice can never free a slot another task owns.
 
 Every array of a delivered batch is a view of its lease's memory, so the slot returns only
@@ -40,7 +40,7 @@ from fastfeed import inherited_fds
 from fastfeed._proc import available_memory
 from fastfeed.protocol import SlotAdded
 from fastfeed.slots.memory import map_slot, new_memfd, round_up
-from fastfeed.slots.page_lock import Pinner
+from fastfeed.slots.page_lock import PageLocker
 from fastfeed.slots.slot import (
     Fence,
     Slot,
@@ -61,7 +61,8 @@ _MAX_SHARE_OF_AVAILABLE = 0.5
 # Beyond the slots of in-flight tasks: the batch being decoded and the one the user still holds.
 _SPARE_SLOTS = 2
 # Misuse of a ticket is a bug in fastfeed: loud in tests, harmless (and logged) otherwise.
-STRICT = os.environ.get("FASTFEED_STRICT_RING") == "1"
+# FASTFEED_STRICT_RING is the variable's former name, still read.
+STRICT = "1" in (os.environ.get("FASTFEED_STRICT_SLOTS"), os.environ.get("FASTFEED_STRICT_RING"))
 
 
 def slot_budget(tasks_in_flight: int, held_by_prefetch: int = 0,
@@ -111,7 +112,7 @@ class SlotPool:
         slot_bytes: initial slot size; 0 means "learn it from the first batches".
     """
 
-    def __init__(self, max_slots: int, pin: Pinner | None = None, slot_bytes: int = 0) -> None:
+    def __init__(self, max_slots: int, pin: PageLocker | None = None, slot_bytes: int = 0) -> None:
         self.max_slots = max_slots
         self.pin = pin
         self.slot_bytes = round_up(slot_bytes, mmap.PAGESIZE)
@@ -209,14 +210,6 @@ class SlotPool:
                 raise SlotOwnershipError(f"slot {ticket.slot_id} was reused before its batch "
                                          "was read")
             return self._lease(slot)
-
-    def assigned_memory(self, slot_id: int) -> np.ndarray:
-        """The memory of slot ``slot_id``, assigned to a task whose batch this process writes
-        itself (workers on a cluster send theirs through Ray's object store)."""
-        with self._lock:
-            slot = self._slots[slot_id]
-            assert slot.state is SlotState.ASSIGNED, slot
-            return slot.memory
 
     def adopt(self, fd: int) -> tuple[Lease, list[SlotAdded]]:
         """Lease the slot a worker made for a batch sent without a ticket (see
@@ -319,15 +312,15 @@ class SlotPool:
         """Make the memory behind ``fd`` (owned from now on) the slot pool's next slot."""
         try:
             memory = np.frombuffer(map_slot(fd, nbytes), dtype=np.uint8)
-            pinned = self.pin is not None and self.pin.register(memory)
+            page_locked = self.pin is not None and self.pin.register(memory)
         except BaseException:
             os.close(fd)
             raise
-        slot = Slot(self._next_id, nbytes, fd, memory, pinned)
+        slot = Slot(self._next_id, nbytes, fd, memory, page_locked)
         self._slots[slot.slot_id] = slot
         self._next_id += 1
-        logger.debug("slot pool: created slot %d of %d bytes (pinned: %s)", slot.slot_id, nbytes,
-                     pinned)
+        logger.debug("slot pool: created slot %d of %d bytes (page-locked: %s)", slot.slot_id,
+                     nbytes, page_locked)
         return slot
 
     def _drop(self, slot_id: int) -> None:

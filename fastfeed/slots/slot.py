@@ -51,7 +51,7 @@ class Slot:
     nbytes: int
     fd: int
     memory: np.ndarray  # uint8 view of the whole mapping; leases are views of it
-    pinned: bool
+    page_locked: bool
     state: SlotState = SlotState.FREE
     generation: int = 0
     fences: list[Fence] = field(default_factory=list)

@@ -33,7 +33,7 @@ from typing import Any
 from fastfeed._imports import importable
 from fastfeed._install import install_line
 from fastfeed._patching import Patch, Swaps
-from fastfeed.backends import candidates
+from fastfeed.backends import backends_for
 from fastfeed.device import check_device
 from fastfeed.ultralytics import shared_cache
 from fastfeed.ultralytics.infinite_loader import InfiniteFastLoader
@@ -99,7 +99,7 @@ def _check_augment_device(augment_device: str | None, fastloader_options: dict[s
     if augment_device is None:
         return
     worker_mode = fastloader_options.get("worker_mode", "process")
-    if any(backend.traits.in_this_process for backend in candidates(worker_mode)):
+    if any(backend.traits.in_this_process for backend in backends_for(worker_mode)):
         raise ValueError("augment_device needs worker processes: each records its own "
                          "samples' parameters (worker_mode='process')")
     if "device" in fastloader_options or "gpu_transform" in fastloader_options:

@@ -33,12 +33,12 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, ClassVar
 
-from fastfeed.backends.interface import BackendArgs, BackendTraits, FromWorker, WorkerExited
+from fastfeed.backends.interface import BackendArgs, BackendTraits, WorkerExited
 from fastfeed.backends.ray.actor import RayWorker
 from fastfeed.backends.ray.cluster import actor_options, cluster_workers, connected_ray
 from fastfeed.backends.ray.landing import Landing
 from fastfeed.backends.ray.remote import RemoteWorker
-from fastfeed.protocol import Answer, EpochStarted, Produced, Skipped, WorkerConfig
+from fastfeed.protocol import Answer, EpochStarted, FromWorker, Produced, Skipped, WorkerConfig
 from fastfeed.slots import Lease
 
 __all__ = ["RayBackend"]

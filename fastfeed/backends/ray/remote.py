@@ -8,8 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from fastfeed.backends.interface import ToWorker
-from fastfeed.protocol import SlotAdded, StartEpoch, Stop, Task, WorkerConfig
+from fastfeed.protocol import SlotAdded, StartEpoch, Stop, Task, ToWorker, WorkerConfig
 
 __all__ = ["Actors", "Call", "RemoteWorker"]
 

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from fastfeed._copy import bytes_are_values
+from fastfeed._stack import bytes_are_values
 from fastfeed.protocol import Shipped
 from fastfeed.slots.memory import ALIGN
 

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from fastfeed._copy import stack_into
+from fastfeed._stack import stack_into
 from fastfeed._torch_compat import default_collate
 from fastfeed.collate import Empty, stackable
 from fastfeed.vision.accelerate.plan import Plan

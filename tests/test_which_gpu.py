@@ -1,4 +1,4 @@
-"""Which GPU a process uses (fastfeed.placement) and which one its NVML sampler reads."""
+"""Which GPU a process uses (fastfeed.which_gpu) and which one its NVML sampler reads."""
 
 import sys
 import time
@@ -6,7 +6,7 @@ import types
 
 import pytest
 
-from fastfeed.placement import local_cuda_index, nvml_device_for
+from fastfeed.which_gpu import local_cuda_index, nvml_device_for
 
 
 @pytest.mark.parametrize("local_rank", [None, "0", "3", "7"])
@@ -93,7 +93,7 @@ def fake_pynvml(uuids):
 @pytest.mark.parametrize("visible, cuda_index, nvml_index", [
     ("2,0", 0, 2), ("2,0", 1, 0), (None, 1, 1), ("GPU-cc", 0, 2)])
 def test_gpu_sampler_reads_only_this_process_gpu(monkeypatch, visible, cuda_index, nvml_index):
-    from fastfeed.telemetry import GpuSampler
+    from fastfeed.gpu_sampler import GpuSampler
 
     nvml = fake_pynvml(["GPU-aa11", "GPU-bb22", "GPU-cc33", "GPU-dd44"])
     monkeypatch.setitem(sys.modules, "pynvml", nvml)
@@ -111,14 +111,14 @@ def test_gpu_sampler_reads_only_this_process_gpu(monkeypatch, visible, cuda_inde
     sampler.stop()
     sampler._thread.join()
     assert set(nvml.read) == {nvml_index}
-    (gpu,) = sampler.average()
+    (gpu,) = sampler.since_start()
     assert gpu.index == nvml_index and gpu.utilization == 10.0 * (nvml_index + 1)
 
 
 def test_gpu_sampler_names_an_unknown_uuid(monkeypatch):
-    from fastfeed.telemetry import GpuSampler
+    from fastfeed.gpu_sampler import GpuSampler
 
     monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml(["GPU-aa11"]))
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-ff")
     sampler = GpuSampler(0)
-    assert "GPU-ff" in sampler.status and sampler.average() == []
+    assert "GPU-ff" in sampler.status and sampler.since_start() == []

@@ -23,10 +23,9 @@ from torch.utils.data import DataLoader
 
 from fastfeed._torch_compat import ExceptionWrapper
 from fastfeed.autotune import TuningWindows
-from fastfeed.backends import BackendArgs
 from fastfeed.iterators.base_iterator import BaseIterator, HostBatch
 from fastfeed.iterators.crew import WorkerCrew
-from fastfeed.iterators.setup import IteratorSetup
+from fastfeed.iterators.host_plan import HostPlan
 from fastfeed.iterators.tasks import Entry, TaskBook
 from fastfeed.protocol import Answer, Encoded, Failed, Produced, ReplicaEnded, Shipped, Task
 from fastfeed.slots import Lease, Ticket, slot_budget
@@ -52,9 +51,9 @@ def _reraise(wrapper: ExceptionWrapper) -> None:
 class WorkerPoolIterator(BaseIterator):
     """Iterates a FastLoader with worker processes or threads."""
 
-    def __init__(self, loader: DataLoader, setup: IteratorSetup) -> None:
+    def __init__(self, loader: DataLoader, plan: HostPlan) -> None:
         operator.index(loader.num_workers)  # torch's TypeError for num_workers=2.0
-        super().__init__(loader, setup)
+        super().__init__(loader, plan)
         if loader.prefetch_factor is None:
             raise TypeError("prefetch_factor is None with num_workers > 0: num_workers was set "
                             "after the loader was built without workers; build it with its "
@@ -66,12 +65,9 @@ class WorkerPoolIterator(BaseIterator):
         self._in_order = loader.in_order
         self._epoch = 0
         self._book = TaskBook()
-        # The loader gives one to the backends whose batches use it.
-        self.slot_pool = setup.slot_pool
-        backend = setup.backend(BackendArgs(self.slot_pool, loader.multiprocessing_context,
-                                            setup.placement, setup.host.tail.landing_tail,
-                                            setup.carry_over.lists if setup.share_lists
-                                            else None))
+        self.slot_pool = plan.slot_pool  # for the backends whose batches use one
+        assert plan.backend is not None  # planned for workers
+        backend = plan.backend(plan.backend_args)
         self._crew = WorkerCrew(backend, self._book, self.slot_pool, self._timeout)
         # Dropped without close() (a break, an error, an abandoned epoch), the iterator's
         # workers are stopped by a finaliser that holds the crew, not by __del__: collected
@@ -81,8 +77,7 @@ class WorkerPoolIterator(BaseIterator):
         dropped = weakref.finalize(self, self._crew.shutdown, False)
         dropped.atexit = False
         self._table = self._crew.table
-        self._telemetry.worker_mode = backend.name
-        self._telemetry.slot_pool = self.slot_pool
+        self._telemetry.serving(backend.name, self.slot_pool)
         try:
             for worker_id in range(self._num_workers):
                 self._crew.start(self._worker_config(
@@ -90,11 +85,11 @@ class WorkerPoolIterator(BaseIterator):
         except BaseException:
             self._crew.shutdown()
             raise
-        if self.slot_pool is not None and self._persistent_workers and setup.tuner is None:
+        if self.slot_pool is not None and self._persistent_workers and plan.tuner is None:
             self.slot_pool.seal()  # these workers are the last to map its slots
         self._size_slot_pool()
-        self._tuning = (None if setup.tuner is None else TuningWindows(
-            setup.tuner, self._table.active_tasks(), self._telemetry.waited,
+        self._tuning = (None if plan.tuner is None else TuningWindows(
+            plan.tuner, self._table.active_tasks(), self._telemetry.waited,
             self._telemetry.worker_busy_s))
         self._reset(loader, first_iter=True)
 
@@ -104,8 +99,8 @@ class WorkerPoolIterator(BaseIterator):
 
     def _size_slot_pool(self) -> None:
         if self.slot_pool is not None:
-            held = self._setup.host.terms.held_batches
-            self.slot_pool.max_slots = slot_budget(self._max_tasks, held, self._setup.ring_slots)
+            self.slot_pool.max_slots = slot_budget(self._max_tasks, self._plan.held_batches,
+                                                   self._plan.slot_cap)
 
     @property
     def closed(self) -> bool:
@@ -134,7 +129,7 @@ class WorkerPoolIterator(BaseIterator):
     def _epoch_finished(self) -> None:
         if self._num_yielded:
             rate = self._num_yielded / max(time.perf_counter() - self._epoch_clock, 1e-9)
-            self._setup.carry_over.epoch_rates.setdefault(self._crew.backend_name, rate)
+            self._plan.carry_over.epoch_rates.setdefault(self._crew.backend_name, rate)
         if not self._persistent_workers:
             self._crew.shutdown()
 
@@ -267,7 +262,7 @@ class WorkerPoolIterator(BaseIterator):
             self._crew.resize(wanted, lambda worker_id, num_workers: self._worker_config(
                 worker_id, num_workers=num_workers))
             self._size_slot_pool()
-            self._setup.carry_over.workers = self._table.serving  # where the next epoch starts
+            self._plan.carry_over.workers = self._table.serving  # where the next epoch starts
             self._fill()
 
     @contextlib.contextmanager

@@ -1,4 +1,4 @@
-"""The hot copy: gather samples into a pool slot.
+"""The hot copy: stack samples into a pool slot (the gather kernels).
 
 ``fastfeed._gather`` does it with the GIL released and several threads for large batches. Where the
 extension was not built, ``torch.stack(out=...)`` does the same work in one thread, so results

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from fastfeed import _copy
+from fastfeed import _stack
 
 DTYPES = [torch.uint8, torch.int16, torch.int64, torch.float16, torch.bfloat16, torch.float32,
           torch.float64, torch.bool, torch.complex64]
@@ -20,7 +20,7 @@ def random_tensor(shape, dtype, generator):
 
 def test_extension_is_built():
     # The README's install builds it on this platform; the fallback is for other platforms.
-    assert _copy.extension_loaded()
+    assert _stack.extension_loaded()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -30,7 +30,7 @@ def test_stack_into_matches_torch_stack(dtype, shape, n):
     g = torch.Generator().manual_seed(n)
     samples = [random_tensor(shape, dtype, g) for _ in range(n)]
     out = torch.empty((n, *shape), dtype=dtype)
-    _copy.stack_into(out, samples)
+    _stack.stack_into(out, samples)
     expected = torch.stack(samples) if n else torch.empty((0, *shape), dtype=dtype)
     assert torch.equal(out, expected)
 
@@ -39,7 +39,7 @@ def test_stack_into_non_contiguous_sources():
     g = torch.Generator().manual_seed(0)
     samples = [torch.randn(6, 8, generator=g).t()[::2] for _ in range(5)]
     out = torch.empty((5, *samples[0].shape))
-    _copy.stack_into(out, samples)
+    _stack.stack_into(out, samples)
     assert torch.equal(out, torch.stack(samples))
 
 
@@ -61,7 +61,7 @@ def test_stack_into_and_collate_into_resolve_lazy_views(kind):
 
     samples = lazy_views(kind)
     out = torch.empty((5, *samples[0].shape), dtype=samples[0].dtype)
-    _copy.stack_into(out, samples)
+    _stack.stack_into(out, samples)
     assert torch.equal(out, torch.stack(samples))
     arena = Arena(0, torch.empty(1 << 12, dtype=torch.uint8))
     assert torch.equal(default_collate_into(samples, arena.empty), default_collate(samples))
@@ -71,13 +71,13 @@ def test_stack_into_and_collate_into_resolve_lazy_views(kind):
 def test_stack_into_large_batches_split_across_threads(threads):
     samples = [torch.full((3, 512, 1024), i, dtype=torch.uint8) for i in range(12)]  # 18 MiB
     out = torch.empty((12, 3, 512, 1024), dtype=torch.uint8)
-    _copy.stack_into(out, samples, threads=threads)
+    _stack.stack_into(out, samples, threads=threads)
     assert torch.equal(out, torch.stack(samples))
 
 
 def test_stack_into_rejects_wrong_batch_size():
     with pytest.raises(ValueError, match="holds 2 samples"):
-        _copy.stack_into(torch.empty(2, 3), [torch.ones(3)])
+        _stack.stack_into(torch.empty(2, 3), [torch.ones(3)])
 
 
 @pytest.mark.parametrize("hwc", [(7, 5, 3), (32, 48, 1), (224, 224, 3), (2, 3, 4)])
@@ -89,7 +89,7 @@ def test_hwc_to_chw_matches_permute_stack(hwc, as_numpy):
         images = [torch.from_numpy(i) for i in images]
     h, w, c = hwc
     out = torch.empty((5, c, h, w), dtype=torch.uint8)
-    _copy.stack_hwc_to_chw(out, images)
+    _stack.stack_hwc_to_chw(out, images)
     expected = torch.stack([torch.as_tensor(i).permute(2, 0, 1) for i in images])
     assert torch.equal(out, expected)
 
@@ -98,12 +98,12 @@ def test_hwc_to_chw_non_contiguous_and_bad_input():
     rng = np.random.default_rng(1)
     images = [rng.integers(0, 255, (8, 12, 3), dtype=np.uint8)[:, ::2] for _ in range(3)]
     out = torch.empty((3, 3, 8, 6), dtype=torch.uint8)
-    _copy.stack_hwc_to_chw(out, images)
+    _stack.stack_hwc_to_chw(out, images)
     assert torch.equal(out, torch.stack([torch.as_tensor(i).permute(2, 0, 1) for i in images]))
     with pytest.raises(ValueError, match="image 0 has shape"):
-        _copy.stack_hwc_to_chw(out, [np.zeros((8, 6, 4), np.uint8)] * 3)
+        _stack.stack_hwc_to_chw(out, [np.zeros((8, 6, 4), np.uint8)] * 3)
     with pytest.raises(ValueError, match="uint8"):
-        _copy.stack_hwc_to_chw(out.float(), images)
+        _stack.stack_hwc_to_chw(out.float(), images)
 
 
 def strided_views(rng):
@@ -116,25 +116,25 @@ def strided_views(rng):
 @pytest.mark.parametrize("compiled", [True, False], ids=["extension", "fallback"])
 def test_hwc_to_chw_strided_views_and_channel_reversal(monkeypatch, compiled):
     if not compiled:
-        monkeypatch.setattr(_copy, "_gather", None)
+        monkeypatch.setattr(_stack, "_gather", None)
     images = strided_views(np.random.default_rng(3))
     reverse = [True, False, True, False]
     out = torch.empty((4, 3, 12, 12), dtype=torch.uint8)
-    _copy.stack_hwc_to_chw(out, images, reverse_channels=reverse)
+    _stack.stack_hwc_to_chw(out, images, reverse_channels=reverse)
     expected = [np.asarray(i).transpose(2, 0, 1) for i in images]
     expected = np.stack([x[::-1] if r else x for x, r in zip(expected, reverse, strict=True)])
     assert np.array_equal(out.numpy(), expected)
     with pytest.raises(ValueError, match="3 flags for 4 images"):
-        _copy.stack_hwc_to_chw(out, images, reverse_channels=reverse[:3])
+        _stack.stack_hwc_to_chw(out, images, reverse_channels=reverse[:3])
 
 
 def test_pure_torch_fallback_matches(monkeypatch):
-    monkeypatch.setattr(_copy, "_gather", None)
+    monkeypatch.setattr(_stack, "_gather", None)
     samples = [torch.arange(12, dtype=torch.float32).view(3, 4) + i for i in range(4)]
     out = torch.empty(4, 3, 4)
-    _copy.stack_into(out, samples)
+    _stack.stack_into(out, samples)
     assert torch.equal(out, torch.stack(samples))
     images = [np.full((4, 5, 3), i, np.uint8) for i in range(2)]
     chw = torch.empty(2, 3, 4, 5, dtype=torch.uint8)
-    _copy.stack_hwc_to_chw(chw, images)
+    _stack.stack_hwc_to_chw(chw, images)
     assert torch.equal(chw, torch.stack([torch.from_numpy(i).permute(2, 0, 1) for i in images]))
