@@ -34,6 +34,24 @@ def child_pids(pid: int | None = None) -> set[int]:
     return children
 
 
+def loader_processes() -> set[int]:
+    """This process's live descendants but multiprocessing's helpers: a worker is a child of
+    this process (fork, spawn) or of the forkserver (Python 3.14's default start method)."""
+    return descendants() - {os.getpid()} - _helpers()[0]
+
+
+def _helpers() -> tuple[set[int], set[str]]:
+    """multiprocessing's helper processes (the forkserver, the resource tracker), each started
+    once per process on first use and kept for its life, and this process's descriptors for
+    them: not a loader's."""
+    from multiprocessing import forkserver, resource_tracker
+
+    server, tracker = forkserver._forkserver, resource_tracker._resource_tracker
+    pids = {getattr(server, "_forkserver_pid", None), getattr(tracker, "_pid", None)}
+    fds = {getattr(server, "_forkserver_alive_fd", None), getattr(tracker, "_fd", None)}
+    return {p for p in pids if p}, {str(f) for f in fds if f is not None}
+
+
 def rss_kb(pid: int | str = "self") -> int:
     """Resident set size of ``pid`` in KiB (0 if it is gone)."""
     try:
@@ -103,7 +121,7 @@ def held_by_others(names: set[str]) -> set[str]:
 
 def snapshot() -> tuple[set[int], int, set[str]]:
     gc.collect()
-    return child_pids(), len(open_fds()), shm_entries()
+    return loader_processes(), len(open_fds() - _helpers()[1]), shm_entries()
 
 
 def wait_until(predicate, timeout: float = 10.0, interval: float = 0.05) -> bool:

@@ -16,7 +16,15 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import outcomes
-from procs import alive, assert_no_leaks, child_pids, new_shm, shm_entries, snapshot, wait_until
+from procs import (
+    alive,
+    assert_no_leaks,
+    loader_processes,
+    new_shm,
+    shm_entries,
+    snapshot,
+    wait_until,
+)
 from sample_datasets import (
     FailingDataset,
     SlowDataset,
@@ -176,7 +184,7 @@ def test_persistent_workers_die_with_the_loader():
     before = snapshot()
     loader = FastLoader(TensorDataset(), batch_size=4, num_workers=2, persistent_workers=True)
     list(loader)
-    assert len(child_pids() - before[0]) == 2
+    assert len(loader_processes() - before[0]) == 2
     del loader
     assert_no_leaks(before)
 

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 from helpers import assert_same
-from procs import assert_no_leaks, child_pids, rss_kb, snapshot
+from procs import assert_no_leaks, loader_processes, rss_kb, snapshot
 from sample_datasets import SlowDataset, TensorDataset
 from torch.utils.data import DataLoader
 
@@ -65,7 +65,7 @@ def test_rss_is_flat_over_thirty_persistent_epochs():
         for batch in loader:
             batch[0].float().mean()  # touch the data, as training would
         del batch
-        readings.append(rss_kb() + sum(rss_kb(pid) for pid in child_pids()))
+        readings.append(rss_kb() + sum(rss_kb(pid) for pid in loader_processes()))
     warm = readings[4]
     assert max(readings[5:]) <= warm * 1.10, readings
 

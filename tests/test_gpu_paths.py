@@ -422,7 +422,6 @@ def test_the_pixel_kernel_is_built_before_the_first_batch_is_asked_for(monkeypat
     from fastfeed.ultralytics.gpu_augment import CanvasCollate, PixelOps
 
     gpu = cuda_model.install(monkeypatch, cuda_model.Gpu())
-    monkeypatch.setattr(samples, "SIZE", (32, 64))  # Ultralytics': multiples of 32
     built, compiles = threading.Event(), []
 
     def apply_pixel_ops(pixels, regions, params, luts, size, border, truncate, columns):
@@ -437,7 +436,8 @@ def test_the_pixel_kernel_is_built_before_the_first_batch_is_asked_for(monkeypat
     kernel = types.ModuleType("fastfeed.ultralytics.pixel_kernel")
     kernel.apply_pixel_ops = apply_pixel_ops
     monkeypatch.setitem(sys.modules, "fastfeed.ultralytics.pixel_kernel", kernel)
-    loader = FastLoader(samples.RecordedSamples(), batch_size=4, num_workers=2, device="cuda",
+    # Ultralytics' sizes are multiples of 32.
+    loader = FastLoader(samples.RecordedSamples(size=(32, 64)), batch_size=4, num_workers=2, device="cuda",
                         collate_fn=CanvasCollate(samples.listed),
                         gpu_transform=PixelOps(truncate_hsv=True))
     batches = iter(loader)

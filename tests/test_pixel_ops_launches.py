@@ -25,18 +25,23 @@ CANVAS, SIZE = 64, (32, 24)
 
 class RecordedSamples(torch.utils.data.Dataset):
     """Samples as ``augment_device``'s workers leave them: the part of a noise canvas that its
-    warp reads, the warp's matrix, an HSV table, and flags that differ from sample to sample."""
+    warp reads, the warp's matrix, an HSV table, and flags that differ from sample to sample.
+    ``size``: the warp's output (width, height); an attribute, so that workers started by
+    pickling the dataset (forkserver, spawn) get it too."""
+
+    def __init__(self, size=SIZE):
+        self.size = size
 
     def __len__(self):
         return 10
 
     def __getitem__(self, index):
         canvas = random_images(1, CANVAS, CANVAS, seed=index)[0]
-        matrix = random_matrices(1, CANVAS, SIZE[0], seed=index)[0]
-        left, top, right, bottom = source_region(matrix, SIZE, CANVAS, CANVAS)
+        matrix = random_matrices(1, CANVAS, self.size[0], seed=index)[0]
+        left, top, right, bottom = source_region(matrix, self.size, CANVAS, CANVAS)
         lut = torch.from_numpy(np.random.default_rng(index).integers(0, 180, (3, 256), np.uint8))
         return recorded(canvas[top:bottom, left:right], params([matrix], [index])[0], lut,
-                        torch.tensor([bottom - top, right - left, left, top]), SIZE)
+                        torch.tensor([bottom - top, right - left, left, top]), self.size)
 
 
 def listed(samples):

@@ -26,7 +26,7 @@ import_or_skip("ultralytics")  # missing, or its torchvision built for another t
 import cv2  # noqa: E402
 from helpers import assert_same  # noqa: E402
 from PIL import Image  # noqa: E402
-from procs import assert_no_leaks, child_pids, open_fds, snapshot, wait_until  # noqa: E402
+from procs import assert_no_leaks, loader_processes, open_fds, snapshot, wait_until  # noqa: E402
 from ultralytics.cfg import get_cfg  # noqa: E402
 from ultralytics.data import build_dataloader, build_yolo_dataset  # noqa: E402
 from ultralytics.data.build import seed_worker  # noqa: E402
@@ -303,9 +303,9 @@ def test_yolo_training_runs_on_fastloaders(yolo_root, tmp_path, options):
     # check the loaders' own resources instead.
     def released():
         gc.collect()  # the trainer's callbacks hold it in reference cycles
-        return child_pids() <= before[0] and loader_fds() <= before_fds
+        return loader_processes() <= before[0] and loader_fds() <= before_fds
 
-    assert wait_until(released, 20), (child_pids() - before[0], loader_fds() - before_fds)
+    assert wait_until(released, 20), (loader_processes() - before[0], loader_fds() - before_fds)
 
 
 def test_ddp_workers_patch_themselves(yolo_root, tmp_path):
