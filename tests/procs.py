@@ -37,10 +37,10 @@ def child_pids(pid: int | None = None) -> set[int]:
 def loader_processes() -> set[int]:
     """This process's live descendants but multiprocessing's helpers: a worker is a child of
     this process (fork, spawn) or of the forkserver (Python 3.14's default start method)."""
-    return descendants() - {os.getpid()} - _helpers()[0]
+    return descendants() - {os.getpid()} - multiprocessing_helpers()[0]
 
 
-def _helpers() -> tuple[set[int], set[str]]:
+def multiprocessing_helpers() -> tuple[set[int], set[str]]:
     """multiprocessing's helper processes (the forkserver, the resource tracker), each started
     once per process on first use and kept for its life, and this process's descriptors for
     them: not a loader's."""
@@ -121,7 +121,7 @@ def held_by_others(names: set[str]) -> set[str]:
 
 def snapshot() -> tuple[set[int], int, set[str]]:
     gc.collect()
-    return loader_processes(), len(open_fds() - _helpers()[1]), shm_entries()
+    return loader_processes(), len(open_fds() - multiprocessing_helpers()[1]), shm_entries()
 
 
 def wait_until(predicate, timeout: float = 10.0, interval: float = 0.05) -> bool:

@@ -176,6 +176,9 @@ class ProcessTimes:
         reaped_s: user and system time of the children it has waited for, theirs included.
         run_delay_s: time its threads were runnable but waiting for a CPU (``None``: unknown).
         zombie: it has ended, and its parent has not waited for it yet.
+        helper: multiprocessing's forkserver or resource tracker, no worker: started once per
+            process with the forkserver or spawn start method (Python 3.14's default on
+            Linux is forkserver, whose children the workers then are).
     """
 
     started: float
@@ -183,6 +186,7 @@ class ProcessTimes:
     reaped_s: float
     run_delay_s: float | None
     zombie: bool
+    helper: bool = False
 
 
 _READ_TRIES = 3
@@ -196,7 +200,24 @@ def _times(pid: int) -> ProcessTimes | None:
     return ProcessTimes(started=int(f[19]) / _TICKS,
                         cpu_s=(int(f[11]) + int(f[12])) / _TICKS,  # utime + stime
                         reaped_s=(int(f[13]) + int(f[14])) / _TICKS,  # cutime + cstime
-                        run_delay_s=None if zombie else _run_delay_s(pid), zombie=zombie)
+                        run_delay_s=None if zombie else _run_delay_s(pid), zombie=zombie,
+                        helper=not zombie and _started_as_helper(pid)
+                        and not _started_as_helper(int(f[1])))
+
+
+# How multiprocessing starts its helper processes: ``python -c 'from multiprocessing.forkserver
+# import main; ...'`` (resource_tracker likewise). The forkserver's children, the workers, are
+# forks of it with the same command line: a helper is the process whose parent's differs.
+_HELPERS = (b"multiprocessing.forkserver", b"multiprocessing.resource_tracker")
+
+
+def _started_as_helper(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            command = f.read()
+    except OSError:
+        return False
+    return any(helper in command for helper in _HELPERS)
 
 
 @dataclass(frozen=True)
@@ -240,8 +261,10 @@ class ProcessTree:
         return sum(t.cpu_s + t.reaped_s for t in self.processes.values())
 
     def workers(self) -> list[int]:
-        """The live descendants: the loader's worker processes, as a rule."""
-        return [pid for pid, t in self.processes.items() if pid != self.root and not t.zombie]
+        """The live descendants but multiprocessing's helpers: the loader's worker processes,
+        as a rule (children of the forkserver where it starts them)."""
+        return [pid for pid, t in self.processes.items()
+                if pid != self.root and not t.zombie and not t.helper]
 
 
 @dataclass(frozen=True)
