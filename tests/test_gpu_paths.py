@@ -437,8 +437,8 @@ def test_the_pixel_kernel_is_built_before_the_first_batch_is_asked_for(monkeypat
     kernel.apply_pixel_ops = apply_pixel_ops
     monkeypatch.setitem(sys.modules, "fastfeed.ultralytics.pixel_kernel", kernel)
     # Ultralytics' sizes are multiples of 32.
-    loader = FastLoader(samples.RecordedSamples(size=(32, 64)), batch_size=4, num_workers=2, device="cuda",
-                        collate_fn=CanvasCollate(samples.listed),
+    loader = FastLoader(samples.RecordedSamples(size=(32, 64)), batch_size=4, num_workers=2,
+                        device="cuda", collate_fn=CanvasCollate(samples.listed),
                         gpu_transform=PixelOps(truncate_hsv=True))
     batches = iter(loader)
     assert built.wait(timeout=60), "nothing was built before the first batch was asked for"

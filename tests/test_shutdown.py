@@ -193,12 +193,10 @@ def test_tickets_return_only_once_no_worker_can_write(workers, released):
     """docs/design.md, invariant 2 on shutdown: the slots of tasks still in flight go back to the
     pool only when every worker is gone; one that outlives terminate() is killed, and a worker
     that outlives that too keeps them."""
-    from fastfeed.backends.process import ProcessWorker, stop_processes
+    from fastfeed.backends.process_reaper import stop_processes
 
-    handles = [ProcessWorker(worker_id=i, process=w, task_queue=None, control=None)
-               for i, w in enumerate(workers)]
     calls = []
-    stop_processes(handles, 0.0, lambda: calls.append("released"))
+    stop_processes(workers, 0.0, lambda: calls.append("released"))
     for thread in threading.enumerate():  # a killed worker is joined on a reaper thread
         if thread.name == "fastfeed-reaper":
             thread.join()

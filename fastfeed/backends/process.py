@@ -2,17 +2,15 @@
 
 The backend owns what the workers share with the main process: the result queue and the
 shutdown flag; each worker's handle owns its task queue and its control pipe, over which it
-is told of the pool's slots.
+is told of the pool's slots. A worker's own life is :mod:`~.process_child`'s, the pipes' ends
+:mod:`~.process_pipes`', and stopping the processes :mod:`~.process_reaper`'s.
 """
 
 from __future__ import annotations
 
-import gc
-import os
 import pickle
 import signal
 import threading
-import time
 import warnings
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
@@ -29,10 +27,12 @@ from fastfeed.backends.interface import (
     BackendTraits,
 )
 from fastfeed.backends.on_this_machine import OnThisMachine, QueueFedWorker
+from fastfeed.backends.process_child import run_worker
+from fastfeed.backends.process_pipes import fds_for_process, queue_of, unused_ends
+from fastfeed.backends.process_reaper import stop_processes
 from fastfeed.protocol import ShutdownFlag, SlotAdded, SlotDropped, Stop, WorkerConfig
-from fastfeed.shared_lists import ListsHandOff, ListsSnapshot, received_config
+from fastfeed.shared_lists import ListsSnapshot
 from fastfeed.slots.control import ControlPipe
-from fastfeed.worker import own_process, worker_loop
 
 __all__ = ["ProcessBackend", "ProcessWorker"]
 
@@ -94,23 +94,6 @@ class ProcessWorker(QueueFedWorker):
         return f"killed by signal {signum} ({name}).{hint}"
 
 
-def _run_worker(config: WorkerConfig | ListsHandOff, task_queue: Any, result_queue: Any,
-                shutting_down: ShutdownFlag, control: ControlPipe | None) -> None:
-    """A worker process's whole life."""
-    config = received_config(config)  # first: the dataset reads its shared lists from here on
-    # Forked, it closes what it inherited of the main process's loaders, and the inherited
-    # objects move out of reach of its garbage collector, whose full collections would
-    # otherwise write to (so copy) every page that holds one.
-    inherited_fds.release_inherited(keep=(task_queue, result_queue))
-    gc.freeze()
-    worker_loop(config, task_queue, result_queue, shutting_down, control, own_process,
-                "process")
-    if shutting_down.is_set():
-        # What it had left to say, nobody reads: exit without flushing it.
-        result_queue.cancel_join_thread()
-        result_queue.close()
-
-
 class ProcessBackend(OnThisMachine):
     """Worker processes from the loader's ``multiprocessing_context`` (fork, spawn or
     forkserver; torch's default without one), fed through its slot pool (if any); with
@@ -124,7 +107,7 @@ class ProcessBackend(OnThisMachine):
         context: Any = args.multiprocessing_context or torch.multiprocessing
         self._context = context
         self._slot_pool = args.slot_pool
-        self._results = _queue(context)
+        self._results = queue_of(context)
         self._shutting_down = ShutdownFlag(context)
         self.workers: list[ProcessWorker] = []
         self._lists_cache = args.lists
@@ -132,13 +115,13 @@ class ProcessBackend(OnThisMachine):
         inherited_fds.register(self)
 
     def start(self, config: WorkerConfig) -> ProcessWorker:
-        task_queue = _queue(self._context)
+        task_queue = queue_of(self._context)
         task_queue.cancel_join_thread()
         control = worker_control = None
         if self._slot_pool is not None:
             control, worker_control = ControlPipe.pair()
         process = self._context.Process(
-            target=_run_worker,
+            target=run_worker,
             args=(self._lists_snapshot(config).hand_off(config), task_queue, self._results,
                   self._shutting_down, worker_control),
             daemon=True,
@@ -156,8 +139,9 @@ class ProcessBackend(OnThisMachine):
         finally:
             if worker_control is not None:
                 worker_control.close()  # the worker has its own end now, or never will
-        worker.parent_ends = {fd: inherited_fds.file_of(fd) for fd in _parent_ends(process)}
-        for end in _ends(task_queue, reading=True):  # the worker reads it; this process writes
+        worker.parent_ends = {fd: inherited_fds.file_of(fd) for fd in fds_for_process(process)}
+        # The worker reads its task queue; this process writes it.
+        for end in unused_ends(task_queue, reading=True):
             end.close()
         if self._slot_pool is not None:
             # A worker added late maps the slots that exist already.
@@ -182,7 +166,7 @@ class ProcessBackend(OnThisMachine):
             # keeps too, so that a write after the main process is gone is not an EPIPE
             # traceback from the queue's feeder thread.
             mine = queue in keep
-            for end in _ends(queue, reading=not mine,
+            for end in unused_ends(queue, reading=not mine,
                              writing=not mine or queue is not self._results):
                 inherited_fds.close_connection(end)
         for worker in self.workers:
@@ -207,14 +191,15 @@ class ProcessBackend(OnThisMachine):
         finally:
             if wait:
                 try:
-                    stop_processes(workers, SHUTDOWN_GRACE, then)
+                    stop_processes([w.process for w in workers], SHUTDOWN_GRACE, then)
                 finally:
                     self._close(workers)
             else:
                 # The reaper closes nothing: reference counting does, once it drops the
                 # workers. The collector may already have finalised (closed) these pipes,
                 # and closing one again could close an fd number reused since.
-                threading.Thread(target=stop_processes, args=(workers, ABANDONED_GRACE, then),
+                threading.Thread(target=stop_processes,
+                                 args=([w.process for w in workers], ABANDONED_GRACE, then),
                                  name="fastfeed-reaper", daemon=True).start()
 
     def _close(self, workers: list[ProcessWorker]) -> None:
@@ -226,89 +211,3 @@ class ProcessBackend(OnThisMachine):
         self._results.cancel_join_thread()
         self._results.close()
         # The snapshot's descriptor is the loader's now: the next epoch may start from it.
-
-
-def _queue(context: Any) -> Any:
-    """A multiprocessing queue of ``context``, its pipe's files remembered for the workers
-    forked later (:func:`fastfeed.inherited_fds.close_connection`)."""
-    queue = context.Queue()
-    inherited_fds.remember(queue._reader, queue._writer)
-    return queue
-
-
-def _ends(queue: Any, reading: bool = False, writing: bool = False) -> list[Any]:
-    """The ends of a multiprocessing queue's pipe that a process never uses: every process
-    that has a ``Queue`` holds both (its ``_reader`` and ``_writer``, the same since Python
-    3.4), and a descriptor each is what the stock loader's processes pay."""
-    return [end for end, unused in ((queue._reader, reading), (queue._writer, writing))
-            if unused]
-
-
-def _parent_ends(process: BaseProcess) -> tuple[int, ...]:
-    """The descriptors the parent holds for a started process: its sentinel, and the end
-    whose closing tells the process its parent is gone. multiprocessing keeps them only in
-    the arguments of the finaliser that closes them (its ``Popen.finalizer``, the same since
-    Python 3.8); none for the process being forked, which has no ``Popen`` yet."""
-    finalizer = getattr(getattr(process, "_popen", None), "finalizer", None)
-    arguments = getattr(finalizer, "_args", None)
-    return tuple(arguments) if arguments else ()
-
-
-def stop_processes(workers: Sequence[ProcessWorker], grace: float,
-                   then: Callable[[], None] | None = None) -> None:
-    """Join ``workers`` for up to ``grace`` seconds, terminate those still running and join
-    them for up to :data:`SHUTDOWN_GRACE`, then kill any left; call ``then`` once every one is
-    gone (a worker that outlives terminate() may still write).
-
-    A killed worker the kernel has not ended yet (a busy machine) is joined on a thread of its
-    own, which calls ``then``: unjoined, multiprocessing would keep its process object, and
-    with it two descriptors, until the next worker starts.
-    """
-    try:
-        _join(workers, grace)
-    finally:
-        for worker in _running(workers):
-            worker.process.terminate()
-        # Every one joined, even once exited (then at once): multiprocessing keeps each child
-        # it has not joined, and its pipes, until some later start() in this process.
-        _join(workers, SHUTDOWN_GRACE)
-        killed = _running(workers)
-        for worker in killed:
-            worker.process.kill()
-        if not killed:
-            if then is not None:
-                then()
-        else:
-            threading.Thread(target=_join_killed, args=(killed, then), name="fastfeed-reaper",
-                             daemon=True).start()
-
-
-def _join(workers: Sequence[ProcessWorker], grace: float) -> None:
-    deadline = time.monotonic() + grace
-    for worker in workers:
-        worker.process.join(timeout=max(0.0, deadline - time.monotonic()))
-
-
-def _running(workers: Sequence[ProcessWorker]) -> list[ProcessWorker]:
-    return [worker for worker in workers if not _exited(worker.process)]
-
-
-def _join_killed(workers: Sequence[ProcessWorker], then: Callable[[], None] | None) -> None:
-    for worker in workers:
-        worker.process.join()  # killed: the kernel ends it (but in uninterruptible sleep)
-    if then is not None and not _running(workers):
-        then()
-
-
-def _exited(process: BaseProcess) -> bool:
-    """Whether ``process`` is gone. Its exit code alone is not enough: when another
-    ``waitpid`` in this process reaps the child first (seen in the leak tests, while the next
-    epoch's workers start), multiprocessing's handle never learns the code."""
-    if process.exitcode is not None:
-        return True
-    assert process.pid is not None
-    try:
-        os.kill(process.pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
