@@ -119,12 +119,15 @@ def test_worker_init_exception():
      (0, "exit code 3")],
 )
 def test_dead_worker_raises_quickly_and_cleans_up(persistent, signum, expected):
-    before = snapshot()
     # Within seconds of the death: beyond what starting two workers takes now, on this
-    # machine under its present load (the start method's cost, a busy core), measured here.
+    # machine under its present load (the start method's cost, a busy core), measured here,
+    # and its workers gone before the leak count starts.
     start = time.monotonic()
-    next(iter(DataLoader(SuicideDataset(kill_at=-1), batch_size=2, num_workers=2)))
+    probe = iter(DataLoader(SuicideDataset(kill_at=-1), batch_size=2, num_workers=2))
+    next(probe)
     startup = time.monotonic() - start
+    del probe
+    before = snapshot()
     loader = FastLoader(SuicideDataset(kill_at=6, signum=signum), batch_size=2, num_workers=2,
                         persistent_workers=persistent)
     start = time.monotonic()
