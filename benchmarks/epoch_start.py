@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.interleaved import interleaved_rates
 from benchmarks.memory_at_scale import IMAGENET_TRAIN, LOADERS, FolderIndex, run_floor
 
+
 def _memory_mb(pid: int) -> tuple[float, float]:
     """A process's private memory (USS) and proportional share (PSS), in MB."""
     with open(f"/proc/{pid}/smaps_rollup") as f:
