@@ -426,7 +426,8 @@ def test_what_the_workers_run(root):
     assert on_device._host._dataset.transform.defer_tail
     assert isinstance(on_device._transform, BatchTail)
     # Ray workers: they collate uint8, and the main process runs the tail as batches land.
-    on_ray = plan_tail(batch_tail_split(fast, default_collate, True), False, "ray")
+    on_ray = plan_tail(batch_tail_split(fast, default_collate, True), on_device=False,
+                       lands_batches=True)
     assert on_ray.collate_fn is None and on_ray.device_tail is None
     assert on_ray.dataset.transform.defer_tail and on_ray.landing_tail is not None
     per_sample = accelerate(datasets.ImageFolder(str(root), transform=PIPELINES["v1-jitter"]()))

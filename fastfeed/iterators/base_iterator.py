@@ -59,6 +59,10 @@ class BaseIterator:
 
     def __init__(self, loader: DataLoader, plan: HostPlan) -> None:
         self._plan = plan
+        # What the workers read and collate with, under the names torch's iterators give them
+        # (code that reaches into the iterator finds them there).
+        self._dataset: Any = plan.dataset
+        self._collate_fn = plan.collate_fn
         self._iterable = is_iterable_dataset(loader.dataset)
         self._len_called = iterable_len_called(loader)
         self._auto_collation = loader.batch_sampler is not None
