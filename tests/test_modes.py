@@ -52,6 +52,29 @@ def test_thread_worker_errors_and_timeout():
                              worker_mode="thread")))
 
 
+@pytest.mark.parametrize("drop", ["", "del iterator"])
+def test_the_process_exits_cleanly_with_thread_workers_mid_epoch(drop):
+    """A script that stops mid-epoch and ends, its iterator kept or dropped: the workers are
+    inside torch ops then, and a daemon thread still in C++ code when the interpreter finalizes
+    aborts the process (pthread_exit). Every run aborted before the workers were joined at
+    exit."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    code = (f"import sys; sys.path[:0] = [{str(root)!r}, {str(root / 'tests')!r}]\n"
+            "import torch\nfrom fastfeed import FastLoader\n"
+            "class Busy(torch.utils.data.Dataset):\n"
+            "    def __len__(self): return 10_000\n"
+            "    def __getitem__(self, i): return torch.ones(3, 640, 640).mul(2).clone()\n"
+            "iterator = iter(FastLoader(Busy(), batch_size=8, num_workers=2, "
+            "worker_mode='thread'))\n"
+            f"next(iterator)\n{drop}\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
 def test_worker_info_in_threads():
     batches = list(FastLoader(ThreadInfoDataset(), batch_size=None, num_workers=2,
                               worker_mode="thread"))

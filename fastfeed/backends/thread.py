@@ -1,8 +1,18 @@
 """Worker threads in this process (``worker_mode="thread"``): no IPC, no pickling, for work
-that releases the GIL. A batch is handed over as it is: no slot pool."""
+that releases the GIL. A batch is handed over as it is: no slot pool.
+
+Worker threads are daemons (a thread inside a long ``__getitem__`` cannot be stopped), but none
+may still run when the interpreter finalizes: a daemon thread then inside C++ code (a torch op,
+a decoder) is ended by ``pthread_exit``, whose unwinding through those frames aborts the
+process ("terminate called without an active exception"), after a ``break`` or a ``del`` of
+the iterator as with one still alive. At exit every running worker is told to stop, and
+joined: its task in progress ends first.
+"""
 
 from __future__ import annotations
 
+import atexit
+import functools
 import os
 import queue
 import threading
@@ -18,6 +28,31 @@ from fastfeed.protocol import FromWorker, ShutdownFlag, SlotAdded, Stop, ToWorke
 from fastfeed.worker import share_process, worker_loop
 
 __all__ = ["ThreadBackend", "ThreadWorker"]
+
+# Each worker thread still running, with how to stop it (its flag and its queue; nothing that
+# holds the thread or the backend). A thread takes itself out as it ends.
+_running: dict[threading.Thread, Callable[[], None]] = {}
+
+
+def _stop(shutting_down: ShutdownFlag, task_queue: queue.Queue) -> None:
+    shutting_down.set()
+    task_queue.put(Stop())
+
+
+def _run_worker(*args: Any) -> None:
+    try:
+        worker_loop(*args)
+    finally:
+        _running.pop(threading.current_thread(), None)
+
+
+@atexit.register
+def _join_running_workers() -> None:
+    for stop in list(_running.values()):
+        stop()
+    deadline = time.monotonic() + SHUTDOWN_GRACE
+    for thread in list(_running):
+        thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
 @dataclass
@@ -55,12 +90,13 @@ class ThreadBackend(OnThisMachine):
     def start(self, config: WorkerConfig) -> ThreadWorker:
         task_queue: queue.Queue[ToWorker] = queue.Queue()
         thread = threading.Thread(
-            target=worker_loop,
+            target=_run_worker,
             args=(config, task_queue, self._results, self._shutting_down, None, share_process,
                   "thread"),
             name=f"fastfeed-worker-{config.worker_id}",
             daemon=True,
         )
+        _running[thread] = functools.partial(_stop, self._shutting_down, task_queue)
         thread.start()
         worker = ThreadWorker(config.worker_id, thread, task_queue)
         self.workers.append(worker)

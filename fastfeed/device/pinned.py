@@ -24,11 +24,14 @@ iterator pins it.
 * An error of the host iterator is raised in its batch's turn; the helper then pulls nothing
   more until the consumer has taken it.
 * ``state_dict()`` is the host's snapshot as of the last batch delivered, not the last pinned.
-* The helper holds no reference to this iterator: a dropped iterator (a ``break``) stops it,
-  and it leaves after the batch it is pulling. :meth:`PinnedIterator.close` (and the device
-  stage, before persistent workers' next epoch) makes it leave at once, by interrupting the
-  host iterator's wait for its workers, and joins it: only then is the host iterator closed,
-  never while the helper still dispatches to its workers.
+* The helper holds no reference to this iterator. A dropped iterator (a ``break``, a ``del``,
+  the end of the script), :meth:`PinnedIterator.close` and the device stage (before persistent
+  workers' next epoch) make it leave at once, by interrupting the host iterator's wait for its
+  workers, and join it, as torch joins its pin thread when its iterator goes: the host iterator
+  is closed only once the helper has left, and the interpreter never finalizes with the helper
+  inside a copy (a daemon thread still in C++ code then is ended by ``pthread_exit``, whose
+  unwinding through torch's frames aborts the process: ``terminate called without an active
+  exception``).
 """
 
 from __future__ import annotations
@@ -150,6 +153,8 @@ class PinHelper:
         """Stop the helper, interrupt its wait for the host iterator's workers, and wait until
         it has left the host iterator (up to ``timeout`` seconds)."""
         self.stop()
+        if threading.current_thread() is self._thread:
+            return  # collected on the helper itself (a cycle): it returns from this pull
         host = self._host()
         if host is None:  # the helper has left already: only it held the host
             self._thread.join(timeout)
@@ -191,8 +196,8 @@ class PinnedIterator(AheadOfConsumer):
         self.helper: PinHelper | None = None
         if ahead:
             self.helper = PinHelper(host, ahead)
-            # Dropped without close() (a break): the helper stops, without a join here.
-            weakref.finalize(self, self.helper.stop)
+            # Dropped without close(), or alive at exit: the helper leaves, joined.
+            weakref.finalize(self, self.helper.leave, _JOIN_S)
 
     def __iter__(self) -> PinnedIterator:
         return self
