@@ -33,8 +33,9 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from fastfeed._torch_compat import ExceptionWrapper
@@ -113,6 +114,7 @@ class WorkerConfig:
     num_workers: int
     dataset_state: Any = None  # resume this IterableDataset replica from a snapshot
     deterministic: bool = False
+    main_pid: int = field(default_factory=os.getpid)  # made in the main process
 
 
 # -- main process -> worker: the task queue ----------------------------------------------------

@@ -10,7 +10,6 @@ and :func:`fastfeed.worker_info` (not torch's ``get_worker_info``) describes it.
 
 from __future__ import annotations
 
-import os
 import queue
 import random
 import threading
@@ -30,6 +29,7 @@ from fastfeed._torch_compat import (
     set_worker_info,
     thread_worker_info,
 )
+from fastfeed.main_process import MainProcess
 from fastfeed.produce import Producer
 from fastfeed.protocol import (
     Answer,
@@ -110,9 +110,9 @@ def worker_loop(
         except Exception:
             start_error = Failed(ExceptionWrapper(where=where))
 
-        parent = os.getppid()
+        main = MainProcess(config.main_pid)
         replica_ended = False
-        while os.getppid() == parent:
+        while main.alive():
             try:
                 message = task_queue.get(timeout=WATCHDOG_INTERVAL)
             except queue.Empty:

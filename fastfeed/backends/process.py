@@ -94,6 +94,13 @@ class ProcessWorker(QueueFedWorker):
         return f"killed by signal {signum} ({name}).{hint}"
 
 
+def _reap(workers: list[ProcessWorker], results: Any, shutting_down: ShutdownFlag,
+          then: Callable[[], None] | None) -> None:
+    """Stop abandoned ``workers``. The thread's arguments (the workers' queues, ``results``,
+    ``shutting_down``) are held until it returns: until the workers are gone."""
+    stop_processes([w.process for w in workers], ABANDONED_GRACE, then)
+
+
 class ProcessBackend(OnThisMachine):
     """Worker processes from the loader's ``multiprocessing_context`` (fork, spawn or
     forkserver; torch's default without one), fed through its slot pool (if any); with
@@ -197,9 +204,12 @@ class ProcessBackend(OnThisMachine):
             else:
                 # The reaper closes nothing: reference counting does, once it drops the
                 # workers. The collector may already have finalised (closed) these pipes,
-                # and closing one again could close an fd number reused since.
-                threading.Thread(target=stop_processes,
-                                 args=([w.process for w in workers], ABANDONED_GRACE, then),
+                # and closing one again could close an fd number reused since. It holds them
+                # until their processes are gone: under spawn and forkserver a worker still
+                # starting opens the queues' and the flag's semaphores by name, and those are
+                # unlinked with their last reference here.
+                threading.Thread(target=_reap, args=(workers, self._results, self._shutting_down,
+                                                     then),
                                  name="fastfeed-reaper", daemon=True).start()
 
     def _close(self, workers: list[ProcessWorker]) -> None:
