@@ -15,6 +15,10 @@ process, stock and fastfeed alternating:
   batch of the last epoch;
 - **the floor**: as many bare processes started the same way, each reporting back at once.
 
+The forkserver imports the script's modules (torch, fastfeed) once, before it forks a worker,
+as Python 3.14's does (``--preload none``: as 3.11 to 3.13.0 do, where each worker imports
+torch itself).
+
     python benchmarks/epoch_start.py                    # the full scale: about 10 minutes
     python benchmarks/epoch_start.py --samples 20000 --workers 2 --rounds 1   # a quick look
 """
@@ -101,7 +105,21 @@ def run_epochs(kind: str, workers: int, persistent: bool, args: argparse.Namespa
             "pss_mb": [m[1] for m in memory]}
 
 
+def serve_like_python_314(context: str) -> None:
+    """Under forkserver, the server imports this script's modules once before it forks any
+    worker, as Python 3.14's does; 3.11 to 3.13.0 never give it the main module's path
+    (CPython issue 126631), so that each worker would import torch itself at every epoch."""
+    if context != "forkserver":
+        return
+    root = str(Path(__file__).resolve().parents[1])  # the server's sys.path, on 3.11 too
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+    multiprocessing.set_forkserver_preload(
+        ["__main__", "torch", "fastfeed", "benchmarks.memory_at_scale"])
+
+
 def child(config: str, args: argparse.Namespace) -> Any:
+    if args.preload == "script":
+        serve_like_python_314(args.context)
     kind, workers, persistent = config.split(":")
     if kind == "floor":
         return [run_floor(args.context, int(workers))]
@@ -113,7 +131,8 @@ def report(figures: dict[str, Any], args: argparse.Namespace) -> None:
         return f"{statistics.median(values):.2f} ({min(values):.2f}–{max(values):.2f})"
 
     print(f"{args.samples:,} (path, class) pairs, batch 1024, shuffled, start method "
-          f"{args.context}; torch {torch.__version__}, Python {sys.version.split()[0]}, "
+          f"{args.context} (the server imports: {args.preload}); torch {torch.__version__}, "
+          f"Python {sys.version.split()[0]}, "
           f"{os.cpu_count()} cores, load average before {args.load_before[0]:.1f}, after "
           f"{os.getloadavg()[0]:.1f}; medians of {args.rounds} fresh processes (min–max)")
     print("\n| workers | persistent | epoch | stock s | fastfeed s | fastfeed / stock |"
@@ -147,6 +166,9 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=IMAGENET_TRAIN)
     parser.add_argument("--workers", default="2,8", help="worker counts, comma-separated")
     parser.add_argument("--context", default="forkserver", help="the start method")
+    parser.add_argument("--preload", choices=("script", "none"), default="script",
+                        help="what a forkserver imports before it forks: the script's modules, "
+                             "as Python 3.14's does (default), or nothing, as 3.11 to 3.13.0 do")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", type=Path, default=None)
@@ -158,7 +180,7 @@ def main() -> None:
     args.workers = [int(w) for w in args.workers.split(",")]
     args.load_before = os.getloadavg()
     common = ["--samples", str(args.samples), "--context", args.context,
-              "--epochs", str(args.epochs)]
+              "--epochs", str(args.epochs), "--preload", args.preload]
     configs = [f"{k}:{w}:{p}" for w in args.workers for p in ("fresh", "persistent")
                for k in LOADERS] + [f"floor:{w}:-" for w in args.workers]
     figures = interleaved_rates(__file__, configs, args.rounds, common, desc="epoch starts")

@@ -21,6 +21,9 @@ host-to-device bandwidth from the slot pool against the pinned cudaMemcpy peak.
     python benchmarks/overhead.py --quick          # a fast smoke run
     python benchmarks/overhead.py --cold           # stored samples larger than the caches
     python benchmarks/overhead.py --cold --profile # main-process CPU, worker time per batch
+    # beside dataloader-rs, on Python 3.13 (fastfeed/bench/peers.py says how to install it):
+    .venv-peers313/bin/python benchmarks/overhead.py --cold --loaders \
+        stock,fastfeed,fastfeed-threads,dataloader-rs,dataloader-rs-deep,dataloader-rs-items2
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -44,7 +48,11 @@ from fastfeed import FastLoader
 from fastfeed.progress import progress
 
 DTYPES = {"uint8": torch.uint8, "float32": torch.float32}
-LOADERS = {"stock": DataLoader, "fastfeed": FastLoader}
+# dataloader-rs (a Rust-core loader with worker threads, Python >= 3.13) with its defaults,
+# and with its two settings for more work in flight on the same threads.
+DATALOADER_RS = {"dataloader-rs": {}, "dataloader-rs-deep": {"prefetch_depth": 8},
+                 "dataloader-rs-items2": {"items_in_parallel": 2}}
+LOADERS = ("stock", "fastfeed", "fastfeed-threads", *DATALOADER_RS)
 PAGE = 4096
 
 
@@ -79,6 +87,32 @@ class StoredSamples(Dataset):
         return self.data[i]
 
 
+def build_loader(name: str, dataset: Dataset, batch_size: int, workers: int,
+                 **kwargs: bool) -> Any:
+    """Loader ``name`` (one of :data:`LOADERS`) over ``dataset``, each with ``workers``
+    processes or threads."""
+    if name == "stock":
+        return DataLoader(dataset, batch_size=batch_size, num_workers=workers, **kwargs)
+    if name.startswith("fastfeed"):
+        mode = "thread" if name.endswith("threads") else "process"
+        return FastLoader(dataset, batch_size=batch_size, num_workers=workers, worker_mode=mode,
+                          **kwargs)
+    import dataloader_rs
+    from torch.utils.data import default_collate
+
+    class Samples(dataloader_rs.PyDataset):
+        def __len__(self) -> int:
+            return len(dataset)  # type: ignore[arg-type]
+
+        def __getitem__(self, index: int) -> Any:
+            return dataset[index]
+
+    # Its threads live as long as the loader: persistent_workers has nothing to change.
+    return dataloader_rs.PyDataloader(Samples(), batch_size=batch_size, num_workers=workers,
+                                      shuffle=kwargs.get("shuffle", False),
+                                      collate_fn=default_collate, **DATALOADER_RS[name])
+
+
 def touch(batch: torch.Tensor) -> int:
     flat = batch.view(-1).view(torch.uint8)
     return int(flat[::PAGE].sum())
@@ -97,7 +131,7 @@ def measure_one(loader_name: str, dtype: str, batch_size: int, workers: int, bat
         kwargs = {"shuffle": True, "persistent_workers": True}
     else:
         dataset, kwargs = FixedSamples(DTYPES[dtype]), {}
-    loader = LOADERS[loader_name](dataset, batch_size=batch_size, num_workers=workers, **kwargs)
+    loader = build_loader(loader_name, dataset, batch_size, workers, **kwargs)
     iterator = endless(loader)
     for _ in range(5 if not cold_gb else 20):
         touch(next(iterator))
@@ -220,6 +254,8 @@ def main() -> None:
     parser.add_argument("--cold", action="store_true",
                         help="stored samples larger than the caches, against the gather bound")
     parser.add_argument("--cold-gb", type=float, default=3.0)
+    parser.add_argument("--loaders", default="stock,fastfeed",
+                        help=f"with --cold: which, comma-separated, of {', '.join(LOADERS)}")
     parser.add_argument("--profile", action="store_true",
                         help="with --cold: where FastLoader's time goes, one run per repeat")
     parser.add_argument("--child", nargs=6, help=argparse.SUPPRESS)
@@ -318,35 +354,36 @@ def profile_cold(cold_gb: float, batch_size: int, workers: int, batches: int = 3
 
 
 def cold_main(args: argparse.Namespace) -> None:
-    """The cold rows: stock, fastfeed and the gather bound, interleaved, in fresh processes."""
+    """The cold rows: each of ``--loaders`` and the gather bound, interleaved, in fresh
+    processes."""
     bs = 128 if args.batch_sizes == [64, 128, 256] else args.batch_sizes[0]
     batches = 300
-    names = ("stock", "fastfeed", "bound")
+    loaders = args.loaders.split(",")
+    names = (*loaders, "bound")
     jobs = [n for r in range(args.repeats) for n in (names if r % 2 == 0 else names[::-1])]
     runs: dict[str, list[dict]] = {n: [] for n in names}
     for name in progress(jobs, total=len(jobs), desc="cold runs"):
         runs[name].append(run_child([name, "uint8", str(bs), str(args.workers), str(batches),
                                      str(args.cold_gb)]))
-    med = {n: statistics.median(r["batches_per_s"] for r in runs[n]) for n in ("stock",
-                                                                               "fastfeed")}
+    med = {n: statistics.median(r["batches_per_s"] for r in runs[n]) for n in loaders}
+    rss = {n: statistics.median(r["peak_rss_mb"] for r in runs[n]) for n in loaders}
     bounds = {k: statistics.median(r[k] for r in runs["bound"]) for k in runs["bound"][0]}
     best = max(bounds["two_processes"], bounds["one_process"])
     best_rotating = max(bounds["two_processes_rotating"], bounds["one_process_rotating"])
-    rss = {n: statistics.median(r["peak_rss_mb"] for r in runs[n]) for n in ("stock",
-                                                                             "fastfeed")}
     print(f"\ncold: {args.cold_gb:g} GB of stored uint8 3×224×224 samples, shuffled, batch "
-          f"{bs}, {args.workers} workers, persistent; medians of {args.repeats} interleaved runs\n")
-    print("| stock batches/s | fastfeed batches/s | ratio | bound: 2 processes × 1 thread "
-          "| bound: 1 process × all cores | fastfeed % of best bound "
-          "| the same with rotating outputs | peak RSS stock / fastfeed MB |")
-    print("|---|---|---|---|---|---|---|---|")
-    ratio = med["fastfeed"] / med["stock"]
-    rotating = (f"{bounds['two_processes_rotating']:.0f} / {bounds['one_process_rotating']:.0f}"
-                f": **{100 * med['fastfeed'] / best_rotating:.0f} %**")
-    print(f"| {med['stock']:.0f} | {med['fastfeed']:.0f} | **{ratio:.2f}×** "
-          f"| {bounds['two_processes']:.0f} | {bounds['one_process']:.0f} "
-          f"| **{100 * med['fastfeed'] / best:.0f} %** | {rotating} | {rss['stock']:.0f} / "
-          f"{rss['fastfeed']:.0f} |")
+          f"{bs}, {args.workers} workers (processes or threads), persistent; medians of "
+          f"{args.repeats} interleaved runs; Python {sys.version.split()[0]}, torch "
+          f"{torch.__version__}, {os.cpu_count()} cores\n")
+    print(f"bound: 2 processes × 1 thread {bounds['two_processes']:.0f}, 1 process × all cores "
+          f"{bounds['one_process']:.0f} batches/s; with rotating outputs (as many as a slot "
+          f"pool) {bounds['two_processes_rotating']:.0f} / {bounds['one_process_rotating']:.0f}\n")
+    print("| loader | batches/s | / stock | % of best bound | % of best rotating bound "
+          "| peak RSS MB |")
+    print("|---|---|---|---|---|---|")
+    for name in loaders:
+        ratio = f"**{med[name] / med['stock']:.2f}×**" if "stock" in med else "n/a"
+        print(f"| {name} | {med[name]:.0f} | {ratio} | {100 * med[name] / best:.0f} % "
+              f"| {100 * med[name] / best_rotating:.0f} % | {rss[name]:.0f} |")
     if args.json:
         args.json.write_text(json.dumps({"cold": runs, "medians": med, "bounds": bounds},
                                         indent=2))

@@ -55,7 +55,8 @@ from benchmarks.interleaved import interleaved_rates, pipeline_parser, print_rat
 
 ROOT = Path(__file__).resolve().parents[1]
 FASTFEED_CONFIGS = ("stock", "swap", "accelerate", "accelerate-threads")
-PEER_CONFIGS = ("dali-cpu", "spdl", "ffcv", "ffcv-nchw")
+PEER_CONFIGS = ("dali-cpu", "spdl", "ffcv", "ffcv-nchw", "dataloader-rs", "dataloader-rs-deep",
+                "dataloader-rs-items2")
 CONFIGS = FASTFEED_CONFIGS + PEER_CONFIGS
 EXTRA_CONFIGS = ("swap-auto",)
 

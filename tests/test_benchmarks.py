@@ -39,7 +39,7 @@ def test_overhead_cold_with_its_bound(tmp_path):
               "--json", str(tmp_path / "c.json"))
     figures = json.loads((tmp_path / "c.json").read_text())
     assert figures["medians"]["fastfeed"] > 0 and figures["bounds"]["two_processes"] > 0
-    assert "% of best bound" in out
+    assert "% of best bound" in out and "| fastfeed |" in out
 
 
 def test_overhead_cold_profile():

@@ -18,6 +18,13 @@ ToTensor(), Normalize()`` gives, so that their rates compare with a ``DataLoader
   contiguous NCHW. ``NormalizeImage`` runs before ``ToTensor``: FFCV 1.0.2 hangs building a
   CPU pipeline whose jitted operation follows a non-jitted one.
 
+- ``dataloader-rs``: dataloader-rs's ``PyDataloader`` (a Rust core, worker threads instead of
+  processes; Python >= 3.13) over torchvision's ``ImageFolder`` with the classic transforms
+  themselves (its samples are a ``PyDataset``'s), torch's ``default_collate``, ``threads``
+  worker threads; ``dataloader-rs-deep`` lets them run 8 batches ahead instead of 2, and
+  ``dataloader-rs-items2`` fetches 2 items of a batch at once on each thread, its two settings
+  for more work in flight on the same threads.
+
 None is a dependency of fastfeed. To install them (in a virtual environment of their own)::
 
     python -m venv --system-site-packages .venv-peers   # sees the torch already installed
@@ -25,6 +32,9 @@ None is a dependency of fastfeed. To install them (in a virtual environment of t
     apt-get install pkg-config libturbojpeg0-dev libopencv-dev \\
         libavdevice59 libavfilter8 libavformat59 libavcodec59 libswscale6   # FFCV, SPDL
     .venv-peers/bin/pip install ffcv==1.0.2
+    python3.13 -m venv .venv-peers313   # dataloader-rs: Python >= 3.13
+    .venv-peers313/bin/pip install -c .ci/constraints-clients.txt torch==2.14.1 \
+        -e ".[test,torchvision]" dataloader-rs==0.2.0
 """
 
 from __future__ import annotations
@@ -186,6 +196,29 @@ def _ffcv(channels_last: bool) -> Callable[[Path, int, int], Batches]:
     return build
 
 
+def _dataloader_rs(**settings: int) -> Callable[[Path, int, int], Batches]:
+    def build(root: Path, batch_size: int, threads: int) -> Batches:
+        import dataloader_rs
+        from torch.utils.data import default_collate
+
+        from fastfeed.bench.data import classic_imagefolder
+
+        folder = classic_imagefolder(root)
+
+        class Samples(dataloader_rs.PyDataset):
+            def __len__(self) -> int:
+                return len(folder)  # type: ignore[arg-type]
+
+            def __getitem__(self, index: int) -> Any:
+                return folder[index]
+
+        loader: Batches = dataloader_rs.PyDataloader(
+            Samples(), batch_size=batch_size, shuffle=True, num_workers=threads,
+            collate_fn=default_collate, **settings)
+        return loader
+    return build
+
+
 def _spdl_decodes() -> None:
     """SPDL imports without FFmpeg's libraries, and loads them at the first decode."""
     import io
@@ -227,6 +260,10 @@ PEERS = {peer.name: peer for peer in (
          SpdlPipeline, probe=_spdl_decodes),
     Peer("ffcv", "ffcv", f"pip install ffcv==1.0.2 ({_HOW})", _ffcv(channels_last=True)),
     Peer("ffcv-nchw", "ffcv", f"pip install ffcv==1.0.2 ({_HOW})", _ffcv(channels_last=False)),
+    *(Peer(name, "dataloader_rs", f"pip install dataloader-rs==0.2.0 on Python 3.13 ({_HOW})",
+           _dataloader_rs(**settings))
+      for name, settings in (("dataloader-rs", {}), ("dataloader-rs-deep", {"prefetch_depth": 8}),
+                             ("dataloader-rs-items2", {"items_in_parallel": 2}))),
 )}
 
 
