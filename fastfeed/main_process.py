@@ -1,12 +1,12 @@
 """Whether the loader's main process still lives, as a worker sees it.
 
 A worker must leave once its main process is gone (killed, crashed), or it would hold its
-memory and cores forever. Its parent is not the main process under every start method: a
-``forkserver`` worker (Python 3.14's default on Linux) is the server's child, and the server
-outlives the main process for as long as any worker lives (each holds the server's "alive"
-pipe), so a parent that changes never tells. The worker watches the main process itself: by a
-pidfd where Linux has one (readable once the process has ended, whatever reuses its pid
-later), else by its pid.
+memory and cores forever. A worker started by fork or spawn is the main process's child, and
+sees it go when it is reparented. A ``forkserver`` worker (Python 3.14's default on Linux) is the
+server's child, and the server outlives the main process for as long as any worker lives (each
+holds the server's "alive" pipe), so its parent never changes: it watches the main process
+itself, by a pidfd where Linux has one (readable once the process has ended, whatever reuses
+its pid later), else by its pid.
 """
 
 from __future__ import annotations
@@ -24,15 +24,19 @@ class MainProcess:
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
+        self._in_it = pid == os.getpid()
+        self._is_parent = os.getppid() == pid
         self._pidfd: int | None = None
-        if pid != os.getpid():
+        if not (self._in_it or self._is_parent):
             # Without one (not Linux >= 5.3, or it has ended already), the pid is watched.
             with contextlib.suppress(AttributeError, OSError):
                 self._pidfd = os.pidfd_open(pid)
 
     def alive(self) -> bool:
-        if self.pid == os.getpid():
+        if self._in_it:
             return True
+        if self._is_parent:
+            return os.getppid() == self.pid
         if self._pidfd is not None:
             readable, _, _ = select.select([self._pidfd], [], [], 0)
             return not readable

@@ -6,6 +6,7 @@ descriptors than torch's, in the main process or the workers."""
 import functools
 import gc
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -182,9 +183,10 @@ def private_kb(pid):
 
 
 def gained_over_an_epoch(cls, dataset, **fast):
-    """What the worker's private memory gained between its first batch and the epoch's end."""
+    """What a forked worker's private memory gained between its first batch and the epoch's
+    end (forked: it shares the main process's pages until it writes them)."""
     loader = cls(dataset, batch_size=1000, shuffle=True, num_workers=1, persistent_workers=True,
-                 **fast)
+                 multiprocessing_context="fork", **fast)
     iterator = iter(loader)
     next(iterator)
     (worker,) = loader._iterator._workers
@@ -239,13 +241,28 @@ def descriptors_in_a_fresh_process(loader):
     return json.loads(run.stdout.splitlines()[-1])
 
 
+def designed_extras() -> tuple[int, int]:
+    """The descriptors fastfeed holds beyond torch's, per loader in the main process and per
+    worker, where workers inherit none (spawn, forkserver): the loader keeps its packed lists'
+    descriptor for the next epoch's workers; a worker holds its slot pool's control socket and
+    the shutdown flag's shared memory (multiprocessing maps it by descriptor, twice), and under
+    forkserver a pidfd on the main process, which is not its parent. Under fork, the
+    descriptors workers no longer inherit more than pay for these."""
+    method = multiprocessing.get_start_method()
+    if method == "fork":
+        return 0, 0
+    return 1, 3 + (method == "forkserver")
+
+
 def test_no_more_descriptors_than_torch():
     stock_main, stock_workers, stock_firsts = descriptors_in_a_fresh_process("DataLoader")
     main, workers, firsts = descriptors_in_a_fresh_process("FastLoader")
-    assert main <= stock_main and workers <= stock_workers, (main, stock_main, workers,
-                                                             stock_workers)
-    # Each stock worker inherits the loaders made before its own; fastfeed's close them.
-    assert stock_firsts[-1] > stock_firsts[0]
+    per_loader, per_worker = designed_extras()
+    assert main <= stock_main + 4 * per_loader, (main, stock_main)
+    assert workers <= stock_workers + 8 * per_worker, (workers, stock_workers)
+    if multiprocessing.get_start_method() == "fork":
+        # Each stock worker inherits the loaders made before its own; fastfeed's close them.
+        assert stock_firsts[-1] > stock_firsts[0]
     assert firsts[-1] == firsts[0], firsts
 
 
