@@ -125,6 +125,23 @@ class _ShipUnpickler(pickle.Unpickler):
         return raw
 
 
+_SHIPPING: dict[type[pickle.Pickler], type[pickle.Pickler]] = {}
+
+
+def _shipping(pickler: type[pickle.Pickler]) -> type[pickle.Pickler]:
+    """``pickler`` with :class:`_StorageIds` as its ``persistent_id``: a subclass, since
+    Python 3.13's C pickler no longer lets an instance's ``persistent_id`` be assigned."""
+    if pickler not in _SHIPPING:
+        class Shipping(pickler):  # type: ignore[valid-type,misc]
+            ids: _StorageIds
+
+            def persistent_id(self, obj: Any) -> Any:
+                return self.ids.persistent_id(obj)
+
+        _SHIPPING[pickler] = Shipping
+    return _SHIPPING[pickler]
+
+
 def ship(batch: Any, pickler: type[pickle.Pickler] = pickle.Pickler) -> Shipped:
     """Actor side: ``batch`` as a :class:`Shipped`, without copying its memory.
 
@@ -136,8 +153,8 @@ def ship(batch: Any, pickler: type[pickle.Pickler] = pickle.Pickler) -> Shipped:
     file = io.BytesIO()
     buffers: list[pickle.PickleBuffer] = []
     ids = _StorageIds()
-    writer = pickler(file, protocol=5, buffer_callback=buffers.append)
-    writer.persistent_id = ids.persistent_id  # type: ignore[method-assign]
+    writer = _shipping(pickler)(file, protocol=5, buffer_callback=buffers.append)
+    writer.ids = ids  # type: ignore[attr-defined]
     writer.dump(batch)
     required = sum(memoryview(b).nbytes for b in buffers) + ALIGN * (len(buffers) + ids.tensors)
     return Shipped(file.getvalue(), tuple(buffers), required)
