@@ -13,7 +13,8 @@ process, stock and fastfeed alternating:
   epochs (each epoch is left after its first batch: what is measured is its start);
 - **memory**: each worker's private memory (USS) and proportional share (PSS) at the first
   batch of the last epoch;
-- **the floor**: as many bare processes started the same way, each reporting back at once.
+- **the floor**: as many bare processes started the same way, each reporting back at once:
+  the first time (the server starts too), then again (forked from the running server).
 
 The forkserver imports the script's modules (torch, fastfeed) once, before it forks a worker,
 as Python 3.14's does (``--preload none``: as 3.11 to 3.13.0 do, where each worker imports
@@ -121,8 +122,8 @@ def child(config: str, args: argparse.Namespace) -> Any:
     if args.preload == "script":
         serve_like_python_314(args.context)
     kind, workers, persistent = config.split(":")
-    if kind == "floor":
-        return [run_floor(args.context, int(workers))]
+    if kind == "floor":  # the first start includes the server's; later ones fork a warm one
+        return [run_floor(args.context, int(workers)), run_floor(args.context, int(workers))]
     return [run_epochs(kind, int(workers), persistent == "persistent", args)]
 
 
@@ -138,13 +139,14 @@ def report(figures: dict[str, Any], args: argparse.Namespace) -> None:
     print("\n| workers | persistent | epoch | stock s | fastfeed s | fastfeed / stock |"
           " bare processes s |\n|---|---|---|---|---|---|---|")
     for workers in args.workers:
-        floor = figures[f"floor:{workers}:-"]
+        floors = figures[f"floor:{workers}:-"]
         for persistent in ("fresh", "persistent"):
             runs = {k: figures[f"{k}:{workers}:{persistent}"] for k in LOADERS}
             for epoch in range(args.epochs):
                 stock, fast = ([run["first_batch_s"][epoch] for run in runs[k]]
                                for k in LOADERS)
                 ratio = statistics.median(fast) / statistics.median(stock)
+                floor = floors[0::2] if epoch == 0 else floors[1::2]
                 print(f"| {workers} | {'yes' if persistent == 'persistent' else 'no'} | "
                       f"{epoch + 1} | {seconds(stock)} | {seconds(fast)} | **{ratio:.2f}×** | "
                       f"{seconds(floor)} |")
@@ -186,6 +188,7 @@ def main() -> None:
     figures = interleaved_rates(__file__, configs, args.rounds, common, desc="epoch starts")
     report(figures, args)
     if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(figures, indent=2))
 
 

@@ -235,9 +235,15 @@ def h2d_figures(batch_size: int, repeats: int = 5) -> dict:
 
 
 def run_child(args: list[str]) -> dict:
+    """One measurement in a fresh process. A child that printed its figures and then failed
+    to exit (a loader whose threads abort the interpreter's shutdown) keeps its figures, with
+    its exit code."""
     out = subprocess.run([sys.executable, __file__, "--child", *args], capture_output=True,
-                         text=True, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+                         text=True, check=False)
+    lines = out.stdout.strip().splitlines()
+    if not lines or not lines[-1].startswith("{"):
+        raise RuntimeError(f"{args[0]} exited {out.returncode}: {out.stderr[-2000:]}")
+    return {**json.loads(lines[-1]), "exit_code": out.returncode}
 
 
 def main() -> None:
@@ -384,7 +390,14 @@ def cold_main(args: argparse.Namespace) -> None:
         ratio = f"**{med[name] / med['stock']:.2f}×**" if "stock" in med else "n/a"
         print(f"| {name} | {med[name]:.0f} | {ratio} | {100 * med[name] / best:.0f} % "
               f"| {100 * med[name] / best_rotating:.0f} % | {rss[name]:.0f} |")
+    for name in loaders:
+        failed = sorted({r["exit_code"] for r in runs[name] if r["exit_code"]})
+        if failed:
+            print(f"\n{name}: the child exited with {failed} after reporting its figures "
+                  f"({sum(bool(r['exit_code']) for r in runs[name])} of {len(runs[name])} "
+                  f"runs; a negative code is the signal that ended it)")
     if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"cold": runs, "medians": med, "bounds": bounds},
                                         indent=2))
 
