@@ -12,6 +12,7 @@ runs an actor's calls one at a time, in the order they were submitted: the proto
 from __future__ import annotations
 
 import math
+import os
 import queue
 import threading
 from dataclasses import replace
@@ -65,9 +66,11 @@ class RayWorker:
         self._replica_ended = False
         self._loop = threading.Thread(
             target=worker_loop,
-            # Never shutting down: the backend ends the actor itself.
+            # Never shutting down, and its main process is the actor's own: the backend ends
+            # the actor, and Ray ends it with its owner (the driver's pid, which the config
+            # carries, names no process of this node on another machine).
             args=(replace(shared, worker_id=worker_id, num_workers=num_workers,
-                          dataset_state=dataset_state,
+                          dataset_state=dataset_state, main_pid=os.getpid(),
                           collate_fn=_ReusedMemory(shared.collate_fn)),
                   self._tasks, self._replies, ShutdownFlag(), None, own_process, "process"),
             name=f"fastfeed-worker-{worker_id}", daemon=True)
