@@ -342,6 +342,41 @@ def test_transforms_of_every_kind_are_named():
     assert dataset.transforms == script["STAGES"]  # the timers are off again
 
 
+class KeepsAllButOne(torch.utils.data.Dataset):
+    """Keeps the items it loaded, all but one (the oldest goes first), as Ultralytics keeps
+    the images it loaded for Mosaic: counts its reads and its loads."""
+
+    def __init__(self, length: int) -> None:
+        self.length, self.kept, self.reads, self.loads = length, [], 0, 0
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        self.reads += 1
+        if index not in self.kept:
+            self.loads += 1
+            self.kept.append(index)
+            if len(self.kept) >= self.length:
+                self.kept.pop(0)
+        return torch.tensor(index)
+
+
+def test_a_short_dataset_is_timed_over_epochs_as_training_reads_it():
+    """Stages timed on a dataset's first pass alone, or on passes in one order (which a cache
+    of all but one item misses every time), cost more than the loader's workers pay: its
+    measured rate then ruled every stage out (an Ultralytics run of 24 images). The profile
+    meets the dataset's cache about as often as a shuffling DataLoader does."""
+    profiled = KeepsAllButOne(8)
+    profile_samples(profiled, None, None, budget_s=60, most=64)
+    loaded = KeepsAllButOne(8)
+    torch.manual_seed(0)
+    loader = DataLoader(loaded, batch_size=None, shuffle=True)
+    assert sum(1 for _ in range(8) for _ in loader) == 64
+    missed = {"profile": profiled.loads / profiled.reads, "loader": loaded.loads / loaded.reads}
+    assert missed["profile"] <= 2 * missed["loader"], missed
+
+
 def test_stage_figures_the_loader_rate_rules_out_are_not_printed():
     stages = [StageCost("decode", 4.0, "decode"), StageCost("collate", 6.0, "collate")]
     # 10 ms a sample: two workers deliver at most 200 samples/s, the main process alone 100.

@@ -1,8 +1,8 @@
 """Where a sample's time goes: each stage of the dataset's own pipeline, timed by name.
 
-After the script has stopped, the doctor reads a few dozen samples of the script's dataset in
-its own process, with one intra-op thread as a loader worker has, and with timers put around
-what it recognises, taken off again after:
+After the script has stopped, the doctor reads a few dozen samples of the script's dataset
+(a shorter dataset again, as later epochs read it), with one intra-op thread as a loader
+worker has, and with timers put around what it recognises, taken off again after:
 
 - the **file read**: the raw bytes of the sample's file, where the dataset lists its files
   (``samples`` of a torchvision ``ImageFolder``/``DatasetFolder``, ``im_files`` of Ultralytics);
@@ -229,15 +229,28 @@ def _samples(dataset: Any, clock: StageClock, getitem: str, budget_s: float, mos
         stream = iter(dataset)
         return [clock.run(getitem, GETITEM, next, stream)
                 for _ in _until(deadline, most, least)]
-    order = list(range(len(dataset)))
-    random.Random(0).shuffle(order)
-    samples = []
-    for index in _until(deadline, min(most, len(order)), least):
-        path = _file_of(dataset, order[index])
+    samples: list[Any] = []
+    indices = _epochs(len(dataset))
+    for _ in _until(deadline, most if len(dataset) else 0, least):
+        index = next(indices)
+        path = _file_of(dataset, index)
         if path is not None:
             clock.run("file read", READ, _read, path)
-        samples.append(clock.run(getitem, GETITEM, dataset.__getitem__, order[index]))
+        samples.append(clock.run(getitem, GETITEM, dataset.__getitem__, index))
     return samples
+
+
+def _epochs(length: int) -> Iterator[int]:
+    """Indices as shuffled epochs read them, epoch after epoch: a dataset shorter than the
+    samples read is read again, so that its own caches (Ultralytics keeps the images it
+    loaded) serve the share they serve the loader's workers, whose measured rate the stages
+    are held against. Each epoch in an order of its own: the same order again would defeat a
+    cache of one image less than the dataset at every access."""
+    rng = random.Random(0)
+    while True:
+        order = list(range(length))
+        rng.shuffle(order)
+        yield from order
 
 
 def _until(deadline: float, most: int, least: int) -> Iterator[int]:
