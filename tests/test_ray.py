@@ -143,21 +143,24 @@ def test_without_a_cluster_the_first_iteration_says_to_call_ray_init(monkeypatch
 @pytest.mark.clients
 def test_an_actor_serves_whatever_the_driver_pid_names_on_its_node():
     """An actor on another machine than the driver: the driver's pid names no process there
-    (or someone else's), and the actor's loop must not take it for its main process."""
+    (or someone else's), and the actor's loop must not take it for its main process. The
+    worker runs in a process of its own, as an actor does (it sets up its process as a
+    worker's: seeds, threads, ``get_worker_info()``)."""
     pytest.importorskip("ray", reason="needs Ray (the client environment)")
-    from torch.utils.data import default_collate
-
-    from fastfeed.backends.ray.actor import RayWorker
-    from fastfeed.protocol import Task, WorkerConfig
-
     ended = subprocess.Popen([sys.executable, "-c", "pass"])
     ended.wait()  # its pid now names no process, as the driver's on another node
-    shared = WorkerConfig(dataset=list(range(8)), iterable=False, auto_collation=True,
-                          collate_fn=default_collate, drop_last=False, base_seed=0,
-                          worker_init_fn=None, worker_id=0, num_workers=0,
-                          main_pid=ended.pid)
-    reply = RayWorker(shared, 0, 1, None).run(Task(0, [2, 3], None))
-    assert reply.seq == 0
+    actor = f"""
+from torch.utils.data import default_collate
+from fastfeed.backends.ray.actor import RayWorker
+from fastfeed.protocol import Task, WorkerConfig
+shared = WorkerConfig(dataset=list(range(8)), iterable=False, auto_collation=True,
+                      collate_fn=default_collate, drop_last=False, base_seed=0,
+                      worker_init_fn=None, worker_id=0, num_workers=0, main_pid={ended.pid})
+print(RayWorker(shared, 0, 1, None).run(Task(0, [2, 3], None)))
+"""
+    run = subprocess.run([sys.executable, "-c", actor], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0 and "Answer(seq=0" in run.stdout, run.stderr[-3000:]
 
 
 @pytest.mark.clients
