@@ -222,16 +222,20 @@ def _read(path: str) -> None:
 
 
 def _samples(dataset: Any, clock: StageClock, getitem: str, budget_s: float, most: int,
-             least: int) -> list[Any]:
-    """Read samples through the clock until ``most`` or the budget (after ``least``)."""
+             least: int, batch: int) -> list[Any]:
+    """Read samples through the clock until ``most`` or the budget (after ``least``), in
+    whole batches of ``batch`` where ``most`` holds one."""
     deadline = time.perf_counter() + budget_s
+    if batch > most:
+        batch = 1
+    most -= most % batch
     if isinstance(dataset, IterableDataset):
         stream = iter(dataset)
         return [clock.run(getitem, GETITEM, next, stream)
-                for _ in _until(deadline, most, least)]
+                for _ in _until(deadline, most, least, batch)]
     samples: list[Any] = []
     indices = _epochs(len(dataset))
-    for _ in _until(deadline, most if len(dataset) else 0, least):
+    for _ in _until(deadline, most if len(dataset) else 0, least, batch):
         index = next(indices)
         path = _file_of(dataset, index)
         if path is not None:
@@ -253,9 +257,9 @@ def _epochs(length: int) -> Iterator[int]:
         yield from order
 
 
-def _until(deadline: float, most: int, least: int) -> Iterator[int]:
+def _until(deadline: float, most: int, least: int, batch: int) -> Iterator[int]:
     for count in range(most):
-        if count >= least and time.perf_counter() > deadline:
+        if count >= least and count % batch == 0 and time.perf_counter() > deadline:
             return
         yield count
 
@@ -269,8 +273,9 @@ def profile_samples(dataset: Any, collate_fn: Callable[[Any], Any] | None,
     Args:
         dataset: the script's dataset; its timers are taken off before this returns.
         collate_fn, batch_size: the loader's; ``batch_size=None`` collates sample by sample.
-        budget_s: stop reading after this long, once ``least`` samples are read.
-        most: read at most this many samples.
+        budget_s: stop reading after this long, once ``least`` samples are read, at the end
+            of a batch.
+        most: read at most this many samples (whole batches, where it holds one).
         threads: torch's intra-op threads while reading and collating: 1 by default, as torch
             sets in each loader worker; ``None`` keeps this process's (for a loader without
             workers, whose main process does the work).
@@ -286,7 +291,8 @@ def profile_samples(dataset: Any, collate_fn: Callable[[Any], Any] | None,
         getitem = ("__iter__, per sample" if isinstance(dataset, IterableDataset) else
                    "__getitem__ (rest)" if instruments.installed else "__getitem__")
         try:
-            samples = _samples(dataset, clock, getitem, budget_s, most, least)
+            samples = _samples(dataset, clock, getitem, budget_s, most, least,
+                               batch_size or 1)
         finally:
             instruments.restore()
         batch = _collate(samples, collate_fn, batch_size, clock)
