@@ -7,7 +7,8 @@
 #   RUNS=1 bash benchmarks/busy_suite.sh -n 2     # one run, pytest's own arguments after
 #
 # Each run's last pytest line, its wall time and the load average go to standard output and to
-# benchmarks/out/busy_suite.md (the rows of benchmarks/RESULTS.md).
+# benchmarks/out/busy_suite.md (the rows of benchmarks/RESULTS.md); a failed run's whole output to
+# benchmarks/out/busy_suite-runN.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 runs="${RUNS:-3}"
@@ -38,6 +39,7 @@ for run in $(seq "$runs"); do
     if (( code != 0 )); then
         failed=1
         grep -E "^(FAILED|ERROR) " "$log" | tee -a "$out"
+        cp "$log" "benchmarks/out/busy_suite-run$run.log"  # the failure's whole report
     fi
     rm -f "$log"
 done
