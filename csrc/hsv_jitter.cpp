@@ -364,7 +364,7 @@ inline int gather_row_lanes(const uint8_t* row, bool mirrored, int x, int n, con
     // Mirrored, output pixel x is the row's pixel -x, and the next ones lie to its left.
     const int step = mirrored ? -3 : 3;
     // Jittered, two groups at a time, both read before either is written: their chains are
-    // independent, and the core overlaps them (6-10 % less time on a Zen 1 core), which it
+    // independent, and the core overlaps them (1-6 % less time on a Zen 1 core), which it
     // cannot across the planes' stores, which may alias the tables for all the compiler knows.
     for (; lut != nullptr && x + 2 * V::kLanes <= n; x += 2 * V::kLanes) {
         const int y = x + V::kLanes;
