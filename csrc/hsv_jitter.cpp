@@ -4,7 +4,8 @@
 // Ultralytics runs cv2.cvtColor(COLOR_BGR2HSV), cv2.LUT and cv2.cvtColor(COLOR_HSV2BGR): three
 // passes over the image and two temporaries. Here each pixel goes through all three steps in
 // registers: eight pixels at a time with AVX2, sixteen with AVX-512 (one template over either
-// ISA's operations), and the scalar reference for a row's last few.
+// ISA's operations), and the scalar reference for a row's last few. The table's entries are
+// computed in the lanes where arithmetic gives every one of them (see Luts).
 //
 // The arithmetic is OpenCV 5's (modules/imgproc/src/color_hsv.simd.hpp):
 // - BGR->HSV in integers: v = max, diff = v - min, s = (diff * sdiv[v] + 2^11) >> 12,
@@ -62,9 +63,54 @@ const Tables& tables() {
     return t;
 }
 
+// Where the value and saturation rows' entries come from a scale (x * scale, clamped to
+// [0, 255], floored) and the hue row's from a shift ((x + shift) mod 180), as in every table
+// Ultralytics draws, the vector path computes them instead of gathering them: the kernel then
+// takes 0.86x the time on a Zen 1 core, whose gathers are slow. Each table is checked against
+// that arithmetic entry by entry (fit_arithmetic), and any other table is gathered as it
+// stands: the bytes are the table's either way.
 struct Luts {
     int32_t h[256], s[256], v[256];
+    bool arithmetic = false;
+    int32_t hue_shift = 0;
+    float sat_scale = 0.f, val_scale = 0.f;
 };
+
+// A value or saturation entry as the arithmetic path computes it (the lanes do the same
+// float32 operations, so the scalar check below speaks for them).
+inline float scaled(float x, float scale) {
+    return std::floor(std::min(std::max(x * scale, 0.f), 255.f));
+}
+
+// The float32 scale that reproduces row[0..255], if one does: the middle of the scales each
+// entry allows (floor(x * scale) = row[x], or at least 255 for a clamped 255), then checked.
+bool fit_scale(const int32_t* row, float& scale) {
+    double lo = 0.0, hi = INFINITY;
+    for (int x = 1; x < 256; ++x) {
+        if (row[x] > 0) lo = std::max(lo, static_cast<double>(row[x]) / x);
+        if (row[x] < 255) hi = std::min(hi, (row[x] + 1.0) / x);
+    }
+    scale = static_cast<float>(std::isinf(hi) ? lo * (1.0 + 0x1p-20) : (lo + hi) / 2);
+    for (int x = 0; x < 256; ++x) {
+        if (scaled(static_cast<float>(x), scale) != static_cast<float>(row[x])) return false;
+    }
+    return true;
+}
+
+// Whether the hue row is a shift mod 180 over the hues there are (0 to 179).
+bool fit_shift(const int32_t* row, int32_t& shift) {
+    shift = row[0];
+    if (shift < 0 || shift >= 180) return false;
+    for (int x = 0; x < 180; ++x) {
+        if (row[x] != (x + shift) % 180) return false;
+    }
+    return true;
+}
+
+void fit_arithmetic(Luts& lut) {
+    lut.arithmetic = fit_shift(lut.h, lut.hue_shift) && fit_scale(lut.s, lut.sat_scale)
+                     && fit_scale(lut.v, lut.val_scale);
+}
 
 // One pixel's (b, g, r) through the jitter: the reference for the vector path, and its tail.
 FASTFEED_AVX2_FMA inline void jitter_values(int b, int g, int r, const Luts& lut,
@@ -139,6 +185,8 @@ struct Avx2 {
     FASTFEED_AVX2_FMA static F add(F a, F b) { return _mm256_add_ps(a, b); }
     FASTFEED_AVX2_FMA static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
     FASTFEED_AVX2_FMA static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+    FASTFEED_AVX2_FMA static F min(F a, F b) { return _mm256_min_ps(a, b); }
+    FASTFEED_AVX2_FMA static F max(F a, F b) { return _mm256_max_ps(a, b); }
     FASTFEED_AVX2_FMA static F floor(F a) { return _mm256_floor_ps(a); }
     FASTFEED_AVX2_FMA static F negated_fma(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }
 };
@@ -174,6 +222,8 @@ struct Avx512 {
     FASTFEED_AVX512 static F add(F a, F b) { return _mm512_add_ps(a, b); }
     FASTFEED_AVX512 static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
     FASTFEED_AVX512 static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+    FASTFEED_AVX512 static F min(F a, F b) { return _mm512_min_ps(a, b); }
+    FASTFEED_AVX512 static F max(F a, F b) { return _mm512_max_ps(a, b); }
     FASTFEED_AVX512 static F floor(F a) {
         return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
     }
@@ -192,7 +242,7 @@ struct Bgr {
 // by the tests of every colour), and a division costs less than a gather (a third of the
 // kernel's time on a Zen 1 core was its five gathers). A divisor of 0 (a black or grey pixel)
 // is taken as 1: the quotient then multiplies 0, as the tables' 0 entry does.
-template <class V>
+template <class V, bool kArithmetic>
 inline Bgr<V> jitter_lanes(Bgr<V> px, const Luts& lut) {
     using I = typename V::I;
     using F = typename V::F;
@@ -214,9 +264,22 @@ inline Bgr<V> jitter_lanes(Bgr<V> px, const Luts& lut) {
     hue = V::select(V::less(hue, V::set(0)), hue, V::add(hue, V::set(180)));
 
     const F unit = V::set(1.f), six = V::set(6.f), to_unit = V::set(kToUnit);
-    F h = V::mul(V::to_float(V::gather(lut.h, hue)), V::set(kToSector));
-    const F s = V::mul(V::to_float(V::gather(lut.s, sat)), to_unit);
-    const F v = V::mul(V::to_float(V::gather(lut.v, value)), to_unit);
+    F h, s, v;
+    if constexpr (kArithmetic) {
+        const I shifted = V::add(hue, V::set(lut.hue_shift));
+        const I wrap = V::set(180);
+        h = V::to_float(V::select(V::less(shifted, wrap), V::sub(shifted, wrap), shifted));
+        const F zero = V::set(0.f), top = V::set(255.f);
+        s = V::floor(V::min(V::max(V::mul(V::to_float(sat), V::set(lut.sat_scale)), zero), top));
+        v = V::floor(V::min(V::max(V::mul(V::to_float(value), V::set(lut.val_scale)), zero), top));
+    } else {
+        h = V::to_float(V::gather(lut.h, hue));
+        s = V::to_float(V::gather(lut.s, sat));
+        v = V::to_float(V::gather(lut.v, value));
+    }
+    h = V::mul(h, V::set(kToSector));
+    s = V::mul(s, to_unit);
+    v = V::mul(v, to_unit);
     h = V::select(V::at_least(h, six), h, V::sub(h, six));
     const F floor_h = V::floor(h);
     const F f = V::sub(h, floor_h);
@@ -343,12 +406,18 @@ FASTFEED_AVX512 inline void store(uint8_t* p, Bgr<Avx512> px) {
 }
 
 // The rows' drivers at one width, from pixel i on; they return where they stopped.
-template <class V>
+template <class V, bool kArithmetic>
 inline int jitter_row_lanes(uint8_t* px, int i, int n, const Luts& lut) {
     for (; i + V::kLanes <= n; i += V::kLanes) {
-        store(px + 3 * i, jitter_lanes<V>(load(px + 3 * i, false, V{}), lut));
+        store(px + 3 * i, jitter_lanes<V, kArithmetic>(load(px + 3 * i, false, V{}), lut));
     }
     return i;
+}
+
+template <class V>
+inline int jitter_row_lanes(uint8_t* px, int i, int n, const Luts& lut) {
+    return lut.arithmetic ? jitter_row_lanes<V, true>(px, i, n, lut)
+                          : jitter_row_lanes<V, false>(px, i, n, lut);
 }
 
 template <class V>
@@ -358,7 +427,7 @@ inline void store_planes(uint8_t* const planes[3], int x, const Bgr<V>& px) {
     store_plane(planes[2] + x, px.r);
 }
 
-template <class V>
+template <class V, bool kArithmetic>
 inline int gather_row_lanes(const uint8_t* row, bool mirrored, int x, int n, const Luts* lut,
                             uint8_t* const planes[3]) {
     // Mirrored, output pixel x is the row's pixel -x, and the next ones lie to its left.
@@ -368,17 +437,27 @@ inline int gather_row_lanes(const uint8_t* row, bool mirrored, int x, int n, con
     // cannot across the planes' stores, which may alias the tables for all the compiler knows.
     for (; lut != nullptr && x + 2 * V::kLanes <= n; x += 2 * V::kLanes) {
         const int y = x + V::kLanes;
-        const Bgr<V> first = jitter_lanes<V>(load(row + step * x, mirrored, V{}), *lut);
-        const Bgr<V> second = jitter_lanes<V>(load(row + step * y, mirrored, V{}), *lut);
+        const Bgr<V> first =
+            jitter_lanes<V, kArithmetic>(load(row + step * x, mirrored, V{}), *lut);
+        const Bgr<V> second =
+            jitter_lanes<V, kArithmetic>(load(row + step * y, mirrored, V{}), *lut);
         store_planes<V>(planes, x, first);
         store_planes<V>(planes, y, second);
     }
     for (; x + V::kLanes <= n; x += V::kLanes) {
         Bgr<V> px = load(row + step * x, mirrored, V{});
-        if (lut != nullptr) px = jitter_lanes<V>(px, *lut);
+        if (lut != nullptr) px = jitter_lanes<V, kArithmetic>(px, *lut);
         store_planes<V>(planes, x, px);
     }
     return x;
+}
+
+template <class V>
+inline int gather_row_lanes(const uint8_t* row, bool mirrored, int x, int n, const Luts* lut,
+                            uint8_t* const planes[3]) {
+    return lut != nullptr && lut->arithmetic
+               ? gather_row_lanes<V, true>(row, mirrored, x, n, lut, planes)
+               : gather_row_lanes<V, false>(row, mirrored, x, n, lut, planes);
 }
 
 // Whole rows: AVX-512 where the CPU has it, then AVX2, then the scalar pixels.
@@ -455,6 +534,7 @@ Luts expand(uintptr_t lut_ptr) {
         lut.s[i] = table[256 + i];
         lut.v[i] = table[512 + i];
     }
+    fit_arithmetic(lut);
     return lut;
 }
 
@@ -529,6 +609,9 @@ PYBIND11_MODULE(_hsv, m) {
           "Convert an HxWx3 uint8 BGR image (rows `stride` bytes apart) to HSV, map each "
           "channel through a 3x256 uint8 table and convert back, in place, as cv2.cvtColor, "
           "cv2.LUT and cv2.cvtColor do.");
+    m.def("computes_table", [](uintptr_t lut) { return expand(lut).arithmetic; }, py::arg("lut"),
+          "Whether the vector path computes this 3x256 table's entries rather than gathering "
+          "them (its rows are a hue shift and two scales).");
     m.def("gather_jittered", &gather_jittered, py::arg("dst"), py::arg("sources"),
           py::arg("height"), py::arg("width"),
           "Gather HxWx3 uint8 BGR images, each (address, row stride, mirrored, planes as RGB, "

@@ -742,7 +742,8 @@ def opencv_hsv(image, lut):
 
 @pytest.mark.skipif(cv2.__version__ < "5", reason="OpenCV 4 rounds HSV->BGR")
 def test_hsv_kernel_is_opencvs_on_every_colour():
-    """All 2^24 BGR colours, rows of 640 pixels, under tables Ultralytics draws."""
+    """All 2^24 BGR colours, rows of 640 pixels, under tables Ultralytics draws (whose entries
+    the kernel computes) and under a table of random entries (which it gathers)."""
     from ultralytics.data.augment import RandomHSV
 
     from fastfeed.ultralytics.hsv import draw_lut, hsv_jitter, matches_opencv
@@ -752,11 +753,33 @@ def test_hsv_kernel_is_opencvs_on_every_colour():
     colours = np.stack([every >> 16, (every >> 8) & 255, every & 255], -1).astype(np.uint8)
     image = np.resize(colours, (26215 * 640, 3)).reshape(26215, 640, 3)
     np.random.seed(0)
-    for gains in [(0.015, 0.7, 0.4), (0.5, 0.5, 0.5)]:
-        lut = draw_lut(RandomHSV(*gains))
+    drawn = [draw_lut(RandomHSV(*gains)) for gains in [(0.015, 0.7, 0.4), (0.5, 0.5, 0.5)]]
+    scattered = np.random.default_rng(0).integers(0, 256, (3, 256), dtype=np.uint8)
+    scattered[0] %= 180  # hues stay hues, as in any table cv2.LUT is given for HSV
+    for lut in [*drawn, scattered]:
         got = image.copy()
         hsv_jitter(got, lut)
         assert np.array_equal(got, opencv_hsv(image, lut))
+
+
+def test_the_kernel_computes_every_table_ultralytics_draws():
+    """A table's entries are computed rather than gathered only where arithmetic gives every
+    one of them; every table RandomHSV draws, at its default gains and at the largest, is such
+    a table, and one that maps 1 above 2, in any row, is not."""
+    from ultralytics.data.augment import RandomHSV
+
+    from fastfeed.ultralytics.hsv import _hsv, draw_lut
+
+    np.random.seed(7)
+    for gains in [(0.015, 0.7, 0.4), (1.0, 1.0, 1.0), (0.0, 0.7, 0.0)]:
+        transform = RandomHSV(*gains)
+        for _ in range(500):
+            table = draw_lut(transform)
+            assert _hsv.computes_table(table.ctypes.data), (gains, table)
+            for row in range(3):
+                changed = table.copy()
+                changed[row, 1] = changed[row, 2] + 1
+                assert not _hsv.computes_table(changed.ctypes.data)
 
 
 def test_hsv_jitter_keeps_ultralytics_bytes_and_draws():
