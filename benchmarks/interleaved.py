@@ -29,7 +29,10 @@ def pipeline_parser(doc: str, configs: Sequence[str], batch_size: int) -> argpar
     parser.add_argument("--epochs", type=int, default=2, help="timed epochs per run")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--configs", default=",".join(configs))
-    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--json", type=Path, default=None,
+                        help="write the figures there as JSON (a script with a table per "
+                             "metric writes NAME.METRIC.json beside it: yolo.json gives "
+                             "yolo.wall.json and yolo.cpu.json)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # a child process: one configuration
     return parser
 

@@ -35,6 +35,7 @@ The images are photographs, not drawings: collages of Ultralytics' own sample ph
 camera JPEGs are; 1 to 7 labelled boxes each. Generated on first use, never committed.
 
     python benchmarks/ultralytics_pipeline.py --pixels --json benchmarks/out/yolo-large.json
+        # writes benchmarks/out/yolo-large.wall.json and yolo-large.cpu.json
     python benchmarks/ultralytics_pipeline.py --widths 480,800 --json benchmarks/out/yolo-small.json
     python benchmarks/ultralytics_pipeline.py --configs stock-ram,patched-ram,patched-shared
     python benchmarks/ultralytics_pipeline.py --profile      # ms per sample, per OpenCV call
