@@ -8,6 +8,7 @@ never depend on which path ran.
 from __future__ import annotations
 
 import importlib
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,19 +21,24 @@ try:
 except ImportError:  # built without a compiler: the pure-torch path takes over
     _gather = None
 
-__all__ = ["bytes_are_values", "extension_loaded", "set_copy_threads", "stack_hwc_to_chw",
-           "stack_into"]
+__all__ = ["bytes_are_values", "copy_threads", "extension_loaded", "set_copy_threads",
+           "stack_hwc_to_chw", "stack_into"]
 
-# Threads per gather; 0 lets the extension use every core. A worker process sets its share of
-# the cores: two workers on two cores, each starting two threads per batch, would fight over
-# the cores with each other and with the main process.
-_copy_threads = 0
+# Threads per gather, per calling thread; 0 (the default) lets the extension use every core.
+# A worker, process or thread, sets its share of the cores: two workers on two cores, each
+# starting two threads per batch, would fight over the cores with each other and with the main
+# process.
+_copy_threads = threading.local()
 
 
 def set_copy_threads(threads: int) -> None:
-    """Set the threads each gather in this process may use (0: every core)."""
-    global _copy_threads
-    _copy_threads = max(0, int(threads))
+    """Set the threads each gather called from this thread may use (0: every core)."""
+    _copy_threads.count = max(0, int(threads))
+
+
+def copy_threads() -> int:
+    """The threads each gather called from this thread may use (0: every core)."""
+    return getattr(_copy_threads, "count", 0)
 
 
 def bytes_are_values(tensor: torch.Tensor) -> bool:
@@ -78,7 +84,7 @@ def stack_into(out: torch.Tensor, samples: Sequence[torch.Tensor], threads: int 
         if samples:
             nbytes = out.nbytes // len(samples)
             _gather.gather(out.data_ptr(), [s.data_ptr() for s in samples], nbytes,
-                      _copy_threads if threads is None else threads)
+                      copy_threads() if threads is None else threads)
     else:
         torch.stack(list(samples), 0, out=out)
 
@@ -125,7 +131,7 @@ def stack_hwc_to_chw(
     pairs = list(zip(images, reverse, strict=True))
     if _gather is not None:
         _gather.gather_hwc_to_chw(out.data_ptr(), [_strided(image, r) for image, r in pairs],
-                                  h, w, c, _copy_threads if threads is None else threads)
+                                  h, w, c, copy_threads() if threads is None else threads)
     else:
         chw = [(np.asarray(image).transpose(2, 0, 1), r) for image, r in pairs]
         torch.stack([torch.from_numpy(np.ascontiguousarray(x[::-1] if r else x)) for x, r in chw],

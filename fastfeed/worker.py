@@ -63,9 +63,11 @@ def worker_info() -> Any:
 
 
 def share_process(config: WorkerConfig) -> None:
-    """Set up a worker thread: :func:`worker_info` describes it, with generators of its own."""
+    """Set up a worker thread: :func:`worker_info` describes it, with generators of its own,
+    and its gathers take its share of the cores, as a worker process's do."""
     _thread_local.info = thread_worker_info(config.worker_id, config.num_workers,
                                             config.base_seed + config.worker_id, config.dataset)
+    set_copy_threads(max(1, available_cpus() // config.num_workers))
 
 
 def own_process(config: WorkerConfig) -> None:

@@ -82,6 +82,31 @@ def test_worker_info_in_threads():
     assert {b["method"] for b in batches} == {"thread"}
 
 
+class CopyThreadsDataset(torch.utils.data.Dataset):
+    """Each sample: how many threads a gather called where it was read may use."""
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        from fastfeed._stack import copy_threads
+
+        return torch.tensor(copy_threads())
+
+
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_each_worker_gathers_on_its_share_of_the_cores(mode):
+    """Two workers' gathers each take half the cores, not every core each (four threads on
+    two cores, with thread workers); the main thread keeps every core for its own."""
+    from fastfeed._proc import available_cpus
+    from fastfeed._stack import copy_threads
+
+    batches = list(FastLoader(CopyThreadsDataset(), batch_size=2, num_workers=2,
+                              worker_mode=mode))
+    assert torch.cat(batches).tolist() == [max(1, available_cpus() // 2)] * 8
+    assert copy_threads() == 0
+
+
 @pytest.mark.parametrize(("kwargs", "match"), [
     ({"worker_mode": "fibers"}, "worker_mode"),
     ({"num_workers": 2, "worker_mode": "thread", "deterministic": True}, "threads share"),
