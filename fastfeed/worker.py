@@ -67,6 +67,12 @@ def share_process(config: WorkerConfig) -> None:
     and its gathers take its share of the cores, as a worker process's do."""
     _thread_local.info = thread_worker_info(config.worker_id, config.num_workers,
                                             config.base_seed + config.worker_id, config.dataset)
+    _take_share_of_cores(config)
+
+
+def _take_share_of_cores(config: WorkerConfig) -> None:
+    """This worker's gathers use its share of the cores, so that the workers together use
+    them all and no more."""
     set_copy_threads(max(1, available_cpus() // config.num_workers))
 
 
@@ -76,7 +82,7 @@ def own_process(config: WorkerConfig) -> None:
     seed = config.base_seed + config.worker_id
     name_worker_process()
     torch.set_num_threads(1)
-    set_copy_threads(max(1, available_cpus() // config.num_workers))
+    _take_share_of_cores(config)
     random.seed(seed)
     torch.manual_seed(seed)
     np.random.seed(numpy_seed(config.base_seed, config.worker_id))
