@@ -185,8 +185,12 @@ class Planner:
         """The loader's slot pool, made on first use and kept across epochs (page-locking is
         slow and synchronising). Its slots are page-locked only when fastfeed owns every copy
         out of them (``device="cuda"``): a slot the user copies from must not be
-        (docs/design.md, invariant 2)."""
+        (docs/design.md, invariant 2). Worker threads then write none: their batches are
+        handed over as made, so nothing records which of their tensors view the slot, and the
+        device stage could not refuse one whose views its copy does not reach."""
         if not backend.traits.uses_slot_pool or ring_slots == 0 or not slots_supported():
+            return None
+        if backend.traits.in_this_process and copy_device is not None:
             return None
         if self.slot_pool is None or self.slot_pool.sealed:  # a sealed one has no descriptors
             locker = None if copy_device is None else PageLocker(copy_device)

@@ -4,7 +4,8 @@ not in another.
 
 fetch the samples (reseeded per sample with ``deterministic=True``) → drop the skipped ones →
 note the IterableDataset's ``state_dict()`` → collate (into the task's pool slot, if any) →
-encode the batch for the trip to the main process (if it has a slot).
+encode the batch for the trip to the main process (a worker process) or hand it over as it is
+(a worker thread, whose slot's lease the batch's tensors already hold).
 """
 
 from __future__ import annotations
@@ -22,10 +23,10 @@ import torch
 from fastfeed.codec import encode
 from fastfeed.collate import as_collate_into
 from fastfeed.fetch import Fetcher, make_fetcher
-from fastfeed.protocol import Produced, WorkerConfig
+from fastfeed.protocol import InPlace, Produced, WorkerConfig
 from fastfeed.resume import has_snapshot_protocol
 from fastfeed.skip import drop_skipped
-from fastfeed.slots.arena import WorkerSlots
+from fastfeed.slots.arena import ThreadSlots, WorkerSlots
 
 __all__ = ["Producer", "sample_seed", "seed_all"]
 
@@ -63,13 +64,13 @@ class Producer:
 
     Args:
         config: the worker's configuration (the dataset, collate, seeds).
-        slots: the worker's mappings of the slot pool (process workers with a slot pool), else None:
+        slots: how the worker reaches the slot pool, if the loader has one, else None:
             batches are then returned as they are.
         in_main_process: reseeding for ``deterministic=True`` leaves the global generators as
             they were (a worker process owns its generators; the main process does not).
     """
 
-    def __init__(self, config: WorkerConfig, slots: WorkerSlots | None = None,
+    def __init__(self, config: WorkerConfig, slots: WorkerSlots | ThreadSlots | None = None,
                  in_main_process: bool = False) -> None:
         self.config = config
         self._slots = slots
@@ -111,7 +112,9 @@ class Producer:
             # fetch that fails, and its mapping goes with this frame once the main process has
             # its handle.
             arena = self._slots.arena(slot_id)
-            batch = encode(self._collate_into(samples, arena.empty), arena)
+            collated = self._collate_into(samples, arena.empty)
+            batch = (InPlace(collated, arena.requested) if self._slots.in_this_process
+                     else encode(collated, arena))
             self._slots.written(batch.required)
         return Produced(batch, fetched - start, time.perf_counter() - fetched, dataset_state,
                         skipped)

@@ -1,7 +1,8 @@
 """Everything that crosses between the main process and a worker, as frozen messages, and the
 one flag they share (:class:`ShutdownFlag`).
 
-The protocol, per worker (a thread worker follows it too, with the control pipe absent; a Ray
+The protocol, per worker (a thread worker follows it too, with the control pipe absent: it
+reaches the slots through the slot pool itself, and hands its batch over as it made it; a Ray
 actor too, its task queue and result queue carried by actor calls, its batches by the object
 store: :mod:`fastfeed.backends.ray`)::
 
@@ -26,7 +27,8 @@ Rules both sides rely on:
 * ``EpochStarted`` comes after the answers to every task of the previous epoch, so once every
   worker has acknowledged, nothing of the old epoch is still on its way.
 * A ``Task`` names a slot the worker was told of (``SlotAdded``) before the task was sent, or
-  none: the worker then writes the batch to a slot of its own, handed over in ``Encoded``.
+  none: the worker then writes the batch to a slot of its own, handed over in ``Encoded`` (a
+  thread, to ordinary memory, counting the bytes it needed).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ __all__ = [
     "EpochStarted",
     "Failed",
     "FromWorker",
+    "InPlace",
     "PrivateSlot",
     "Produced",
     "ReplicaEnded",
@@ -208,10 +211,28 @@ class Shipped:
 
 
 @dataclass(frozen=True)
+class InPlace:
+    """A batch as a worker thread made it, its tensors from ``empty`` views of the task's slot
+    (:meth:`fastfeed.slots.SlotPool.writer`): nothing crosses a process, so nothing is encoded.
+
+    Attributes:
+        batch: the collate function's output, as it is.
+        required: the bytes its ``empty`` tensors take in a slot, fitted or not.
+        private_slot: always None: a thread makes no slot of its own (the field is
+            :class:`Encoded`'s, so that the pool reads both alike).
+    """
+
+    batch: Any
+    required: int
+    private_slot: None = None
+
+
+@dataclass(frozen=True)
 class Produced:
-    """A batch: ``Encoded`` from a process, ``Shipped`` from a Ray actor, the batch itself
-    from a thread or the main process; with the worker's timings, the samples it skipped,
-    and its IterableDataset ``state_dict()`` after the fetch."""
+    """A batch: ``Encoded`` from a process, ``Shipped`` from a Ray actor, ``InPlace`` from a
+    thread with a slot, the batch itself from a thread without one or the main process; with
+    the worker's timings, the samples it skipped, and its IterableDataset ``state_dict()``
+    after the fetch."""
 
     batch: Any
     fetch_s: float

@@ -42,8 +42,7 @@ from fastfeed.protocol import (
     Task,
     WorkerConfig,
 )
-from fastfeed.slots.arena import WorkerSlots
-from fastfeed.slots.control import ControlPipe
+from fastfeed.slots.arena import ThreadSlots, WorkerSlots
 
 __all__ = ["own_process", "share_process", "worker_info", "worker_loop"]
 
@@ -94,7 +93,7 @@ def worker_loop(
     task_queue: Any,
     result_queue: Any,
     shutting_down: ShutdownFlag,
-    control: ControlPipe | None,
+    slots: WorkerSlots | ThreadSlots | None,
     setup: Callable[[WorkerConfig], None],
     kind: str,
 ) -> None:
@@ -103,13 +102,15 @@ def worker_loop(
     Once ``shutting_down`` is set (the pool shuts down), queued tasks are skipped.
 
     Args:
+        slots: how the worker reaches the slot pool (None: the loader has none); closed as the
+            worker ends.
         setup: :func:`own_process` or :func:`share_process`, run first.
         kind: what runs the worker (``"process"``, ``"thread"``), for its errors' message.
     """
     where = f"in DataLoader worker {kind} {config.worker_id}"
     try:
         setup(config)
-        producer = Producer(config, None if control is None else WorkerSlots(control))
+        producer = Producer(config, slots)
         start_error: Failed | None = None
         try:
             if config.worker_init_fn is not None:
@@ -158,5 +159,5 @@ def worker_loop(
     except KeyboardInterrupt:
         pass  # the main process sees Ctrl-C too and shuts the pool down
     finally:
-        if control is not None:
-            control.close()
+        if slots is not None:
+            slots.close()

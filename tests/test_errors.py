@@ -266,11 +266,12 @@ def slots_in_use_settle(slot_pool) -> bool:
     return slot_pool.occupancy[0] == 0
 
 
-def test_a_break_gives_every_slot_back():
+@pytest.mark.parametrize("worker_mode", ["process", "thread"])
+def test_a_break_gives_every_slot_back(worker_mode):
     """Tasks in flight when an epoch is abandoned hold tickets: they return to the loader's
     ring once the workers are gone, so the slot pool never fills up with slots nobody owns and
     later epochs keep the fast path. (Persistent workers answer them at the next epoch.)"""
-    loader = FastLoader(TensorDataset(n=64), batch_size=4, num_workers=2)
+    loader = FastLoader(TensorDataset(n=64), batch_size=4, num_workers=2, worker_mode=worker_mode)
     for _ in range(6):
         for i, _batch in enumerate(loader):
             if i == 1:

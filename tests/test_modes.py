@@ -1,12 +1,15 @@
 """Thread workers, num_workers="auto", deterministic=True, stats(), and the backend registry."""
 
+import gc
 import logging
 import re
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 from helpers import assert_same, compare
+from procs import wait_until
 from sample_datasets import (
     DetectionDataset,
     FailingDataset,
@@ -80,6 +83,41 @@ def test_worker_info_in_threads():
                               worker_mode="thread"))
     assert {b["id"] for b in batches} == {0, 1}
     assert {b["method"] for b in batches} == {"thread"}
+
+
+class BlocksAt(torch.utils.data.Dataset):
+    """Sample ``at`` waits for ``gate``: its worker thread holds its task's slot meanwhile."""
+
+    def __init__(self, at: int):
+        self.at, self.reached, self.gate = at, threading.Event(), threading.Event()
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        if i == self.at:
+            self.reached.set()
+            self.gate.wait()
+        return torch.full((3, 8, 8), i)
+
+
+def test_a_thread_still_in_its_task_at_shutdown_keeps_its_slot_until_it_ends():
+    """A worker thread cannot be stopped inside ``__getitem__``, and may still write its task's
+    slot after the pool shuts down: the slot returns once the thread has ended, not before."""
+    dataset = BlocksAt(at=-1)
+    loader = FastLoader(dataset, batch_size=4, num_workers=1, worker_mode="thread")
+    list(loader)  # the slot pool learns the batch size
+    slot_pool = loader._planner.slot_pool
+    dataset.at = 8  # the third batch, in flight once the first is delivered
+    iterator = iter(loader)
+    next(iterator)
+    assert dataset.reached.wait(timeout=30)
+    iterator._crew.shutdown()  # the thread is in the third batch's fetch, holding its slot
+    del iterator
+    gc.collect()
+    assert slot_pool.occupancy[0] == 2  # the third batch's, and the second's (never received)
+    dataset.gate.set()
+    assert wait_until(lambda: gc.collect() is not None and slot_pool.occupancy[0] == 0)
 
 
 class CopyThreadsDataset(torch.utils.data.Dataset):

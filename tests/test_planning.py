@@ -27,6 +27,19 @@ def test_slots_are_page_locked_only_when_fastfeed_owns_the_copy(monkeypatch):
     assert plan.host.slot_pool.pin == PageLocker(1) and plan.stage.pinned_ahead is None
 
 
+def test_worker_threads_write_slots_only_where_none_is_page_locked(monkeypatch):
+    # A thread's batch is handed over as made: nothing records which of its tensors view the
+    # slot, so the device stage could not refuse one its copy does not reach.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    on_the_host = FastLoader(TensorDataset(), batch_size=4, num_workers=2, worker_mode="thread",
+                             pin_memory=True)
+    assert on_the_host._plan_epoch().host.slot_pool.pin is None
+    to_the_device = FastLoader(TensorDataset(), batch_size=4, num_workers=2, device="cuda",
+                               worker_mode="thread")
+    to_the_device._device_stage._target = torch.device("cuda", 0)
+    assert to_the_device._plan_epoch().host.slot_pool is None
+
+
 def test_without_workers_pinning_is_in_next(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     plan = FastLoader(TensorDataset(), batch_size=4, pin_memory=True)._plan_epoch()

@@ -39,8 +39,13 @@ def in_a_slot(loader, leaf):
     return any(s.address <= address < s.address + s.nbytes for s in slots)
 
 
-def test_batches_are_views_of_pool_slots():
-    loader = FastLoader(TensorDataset(n=64), batch_size=4, num_workers=2, persistent_workers=True)
+MODES = pytest.mark.parametrize("worker_mode", ["process", "thread"])
+
+
+@MODES
+def test_batches_are_views_of_pool_slots(worker_mode):
+    loader = FastLoader(TensorDataset(n=64), batch_size=4, num_workers=2, persistent_workers=True,
+                        worker_mode=worker_mode)
     list(loader)  # the first epoch learns the slot size
     in_slot = [in_a_slot(loader, b[0]) for b in loader]
     assert all(in_slot), in_slot
@@ -244,11 +249,12 @@ def test_storages_that_share_an_address_are_copied_whole():
             epochs=2, persistent_workers=True)
 
 
+@MODES
 @pytest.mark.parametrize("ring_slots", [1, 3, None])
-def test_hoarded_batches_never_change(ring_slots):
+def test_hoarded_batches_never_change(ring_slots, worker_mode):
     # The user keeps every batch of two epochs; later batches must not overwrite any of them.
     loader = FastLoader(TensorDataset(n=60), batch_size=4, num_workers=2, shuffle=True,
-                        persistent_workers=True, ring_slots=ring_slots)
+                        persistent_workers=True, ring_slots=ring_slots, worker_mode=worker_mode)
     kept, copies = [], []
     for _ in range(2):
         for batch in loader:
@@ -259,9 +265,10 @@ def test_hoarded_batches_never_change(ring_slots):
     assert allocated <= (ring_slots if ring_slots is not None else 2 * 2 + 2)
 
 
-def test_a_held_view_keeps_its_slot():
+@MODES
+def test_a_held_view_keeps_its_slot(worker_mode):
     loader = FastLoader(TensorDataset(n=80), batch_size=4, num_workers=2, persistent_workers=True,
-                        ring_slots=3)
+                        ring_slots=3, worker_mode=worker_mode)
     list(loader)
     iterator = iter(loader)
     view = next(iterator)[0][1, :, 2:5]  # the batch itself is dropped; only a view survives
@@ -271,8 +278,10 @@ def test_a_held_view_keeps_its_slot():
     assert torch.equal(view, expected)
 
 
-def test_slots_return_when_batches_die():
-    loader = FastLoader(TensorDataset(n=80), batch_size=4, num_workers=2, persistent_workers=True)
+@MODES
+def test_slots_return_when_batches_die(worker_mode):
+    loader = FastLoader(TensorDataset(n=80), batch_size=4, num_workers=2, persistent_workers=True,
+                        worker_mode=worker_mode)
     list(loader)
     held = list(loader)
     used_while_held, _ = slot_pool_of(loader).occupancy
@@ -291,11 +300,13 @@ def test_custom_collate_tensors_and_arrays_go_to_the_slot():
         assert in_a_slot(loader, batch[key]), f"{key} was not rebuilt from the slot"
 
 
-def test_slot_aware_collate_slots_hold_one_batch():
+@MODES
+def test_slot_aware_collate_slots_hold_one_batch(worker_mode):
     # The first batches, sent before the slot pool knows their size, teach it: an image written by a
     # slot-aware collate outside a slot is counted once, not again when the codec copies it.
     loader = FastLoader(TensorDataset(n=32, shape=(3, 32, 32), dtype=torch.uint8), batch_size=8,
-                        num_workers=2, collate_fn=ImageCollate(), persistent_workers=True)
+                        num_workers=2, collate_fn=ImageCollate(), persistent_workers=True,
+                        worker_mode=worker_mode)
     list(loader)
     batch_bytes = 8 * 3 * 32 * 32 + 8 * 8  # images, int64 targets
     assert batch_bytes <= slot_pool_of(loader).slot_bytes < 2 * batch_bytes
@@ -363,17 +374,18 @@ def test_pickled_slot_pool_is_empty():
     assert clone_.nbytes == 0 and clone_.slot_bytes == 8192 and clone_.max_slots == 4
 
 
-def test_mutating_a_batch_does_not_affect_the_next():
+@MODES
+def test_mutating_a_batch_does_not_affect_the_next(worker_mode):
     # torch hands out fresh memory every batch; a user who writes into a batch must not see it
     # come back in a later batch from a reused slot.
-    def run(cls):
+    def run(cls, **kwargs):
         out = []
-        for batch in cls(TensorDataset(n=40), batch_size=4, num_workers=2):
+        for batch in cls(TensorDataset(n=40), batch_size=4, num_workers=2, **kwargs):
             out.append(batch[0].clone())
             batch[0].zero_()
         return out
 
-    assert_same(run(DataLoader), run(FastLoader))
+    assert_same(run(DataLoader), run(FastLoader, worker_mode=worker_mode))
 
 
 def batch_and_first_row(samples):

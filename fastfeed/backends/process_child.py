@@ -8,6 +8,7 @@ from typing import Any
 from fastfeed import inherited_fds
 from fastfeed.protocol import ShutdownFlag, WorkerConfig
 from fastfeed.shared_lists import ListsHandOff, received_config
+from fastfeed.slots.arena import WorkerSlots
 from fastfeed.slots.control import ControlPipe
 from fastfeed.worker import own_process, worker_loop
 
@@ -23,8 +24,8 @@ def run_worker(config: WorkerConfig | ListsHandOff, task_queue: Any, result_queu
     # otherwise write to (so copy) every page that holds one.
     inherited_fds.release_inherited(keep=(task_queue, result_queue))
     gc.freeze()
-    worker_loop(config, task_queue, result_queue, shutting_down, control, own_process,
-                "process")
+    slots = None if control is None else WorkerSlots(control)
+    worker_loop(config, task_queue, result_queue, shutting_down, slots, own_process, "process")
     if shutting_down.is_set():
         # What it had left to say, nobody reads: exit without flushing it.
         result_queue.cancel_join_thread()

@@ -1,5 +1,7 @@
 """Worker threads in this process (``worker_mode="thread"``): no IPC, no pickling, for work
-that releases the GIL. A batch is handed over as it is: no slot pool.
+that releases the GIL. A batch is handed over as it is; a collate that takes ``empty`` (torch's
+``default_collate`` included) writes it into a slot of the loader's pool, reused as a worker
+process's slots are, instead of into fresh memory for every batch.
 
 Worker threads are daemons (a thread inside a long ``__getitem__`` cannot be stopped), but none
 may still run when the interpreter finalizes: a daemon thread then inside C++ code (a torch op,
@@ -24,7 +26,16 @@ from typing import Any, ClassVar
 from fastfeed._torch_compat import is_iterable_dataset
 from fastfeed.backends.interface import SHUTDOWN_GRACE, BackendArgs, BackendTraits
 from fastfeed.backends.on_this_machine import OnThisMachine, QueueFedWorker
-from fastfeed.protocol import FromWorker, ShutdownFlag, SlotAdded, Stop, ToWorker, WorkerConfig
+from fastfeed.protocol import (
+    FromWorker,
+    InPlace,
+    ShutdownFlag,
+    SlotAdded,
+    Stop,
+    ToWorker,
+    WorkerConfig,
+)
+from fastfeed.slots import Lease, ThreadSlots
 from fastfeed.worker import share_process, worker_loop
 
 __all__ = ["ThreadBackend", "ThreadWorker"]
@@ -70,7 +81,7 @@ class ThreadWorker(QueueFedWorker):
         return self.thread.native_id
 
     def announce_slots(self, created: Sequence[SlotAdded], retired: Sequence[int]) -> None:
-        pass  # a thread hands its batch over as it is: it maps no slot
+        pass  # a thread asks the slot pool for its task's slot: it maps none itself
 
     def exit_reason(self) -> str | None:
         return None if self.thread.is_alive() else "the thread ended."
@@ -80,18 +91,20 @@ class ThreadBackend(OnThisMachine):
     """Worker threads in this process."""
 
     name: ClassVar[str] = "thread"
-    traits: ClassVar[BackendTraits] = BackendTraits(uses_slot_pool=False, in_this_process=True)
+    traits: ClassVar[BackendTraits] = BackendTraits(uses_slot_pool=True, in_this_process=True)
 
     def __init__(self, args: BackendArgs) -> None:
         self._results: queue.Queue[FromWorker] = queue.Queue()
         self._shutting_down = ShutdownFlag()
+        self._slot_pool = args.slot_pool
         self.workers: list[ThreadWorker] = []
 
     def start(self, config: WorkerConfig) -> ThreadWorker:
         task_queue: queue.Queue[ToWorker] = queue.Queue()
+        slots = None if self._slot_pool is None else ThreadSlots(self._slot_pool)
         thread = threading.Thread(
             target=_run_worker,
-            args=(config, task_queue, self._results, self._shutting_down, None, share_process,
+            args=(config, task_queue, self._results, self._shutting_down, slots, share_process,
                   "thread"),
             name=f"fastfeed-worker-{config.worker_id}",
             daemon=True,
@@ -112,17 +125,41 @@ class ThreadBackend(OnThisMachine):
                     "share: use worker_mode='process'")
         return None
 
+    def rebuild(self, batch: Any, lease: Lease | None) -> Any:
+        # Its tensors are views of the memory ``lease`` is on (the slot pool's writer): there
+        # is nothing to rebuild.
+        return batch.batch if isinstance(batch, InPlace) else batch
+
     def shutdown(self, wait: bool = True, then: Callable[[], None] | None = None) -> None:
-        # Thread workers write no pool slot: ``then`` has nothing to wait for.
         self._shutting_down.set()
         for worker in self.workers:
             worker.send(Stop())
-        if then is not None:
-            then()
-        if not wait:
-            return  # threads cannot be terminated; each is a daemon and ends after its task
-        deadline = time.monotonic() + SHUTDOWN_GRACE
-        for worker in self.workers:
-            # A thread busy in a long __getitem__ cannot be stopped; it is a daemon and ends
-            # with its task.
-            worker.thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        threads = [worker.thread for worker in self.workers]
+        if wait:
+            _join_then(threads, then)
+        else:  # from a finaliser, maybe on one of these very threads
+            threading.Thread(target=_join_then, args=(threads, then), name="fastfeed-reaper",
+                             daemon=True).start()
+
+
+def _join_then(threads: Sequence[threading.Thread], then: Callable[[], None] | None) -> None:
+    """Join ``threads`` for up to :data:`SHUTDOWN_GRACE` seconds, and call ``then`` once none
+    of them can write a pool slot any more. A thread busy in a long ``__getitem__`` cannot be
+    stopped (a daemon, it ends with its task): ``then`` waits for it on a thread of its own."""
+    deadline = time.monotonic() + SHUTDOWN_GRACE
+    for thread in threads:
+        thread.join(timeout=max(0.0, deadline - time.monotonic()))
+    running = [thread for thread in threads if thread.is_alive()]
+    if then is None:
+        return
+    if running:
+        threading.Thread(target=_join_all_then, args=(running, then), name="fastfeed-reaper",
+                         daemon=True).start()
+    else:
+        then()
+
+
+def _join_all_then(threads: Sequence[threading.Thread], then: Callable[[], None]) -> None:
+    for thread in threads:
+        thread.join()
+    then()

@@ -11,7 +11,7 @@ mappings of the slots, and the allocator a batch is written with). Both map slot
 a loader that copies them to its GPU itself.
 """
 
-from fastfeed.slots.arena import Arena, WorkerSlots
+from fastfeed.slots.arena import Arena, ThreadSlots, WorkerSlots
 from fastfeed.slots.memory import slots_supported
 from fastfeed.slots.pool import (
     Fence,
@@ -28,6 +28,7 @@ __all__ = [
     "Lease",
     "SlotOwnershipError",
     "SlotPool",
+    "ThreadSlots",
     "Ticket",
     "WorkerSlots",
     "slot_budget",

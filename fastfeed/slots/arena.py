@@ -1,10 +1,10 @@
-"""The worker's side of the slot pool: its mappings of the slots, and the arena a batch is
+"""The worker's side of the slot pool: how it reaches the slots, and the arena a batch is
 written into.
 
-The main process announces each slot over the worker's control pipe
+A worker process (:class:`WorkerSlots`) hears of each slot over its control pipe
 (:class:`~fastfeed.slots.control.ControlPipe`: :class:`SlotAdded` with the file descriptor,
-:class:`SlotDropped`); the worker maps each slot once and reuses the mapping for every batch it
-writes there.
+:class:`SlotDropped`), maps each slot once and reuses the mapping for every batch it writes
+there. A worker thread (:class:`ThreadSlots`) asks the slot pool itself.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import mmap
 import os
 import weakref
 from multiprocessing.reduction import DupFd
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,11 +21,17 @@ from fastfeed.protocol import PrivateSlot, SlotAdded, SlotDropped
 from fastfeed.slots.control import ControlPipe
 from fastfeed.slots.memory import ALIGN, map_slot, new_memfd, round_up
 
-__all__ = ["Arena", "WorkerSlots"]
+if TYPE_CHECKING:
+    from fastfeed.slots.pool import SlotPool
+
+__all__ = ["Arena", "ThreadSlots", "WorkerSlots"]
 
 
 class WorkerSlots:
-    """A worker's mappings of the pool's slots, kept in step over the control pipe."""
+    """A worker process's mappings of the pool's slots, kept in step over the control pipe.
+    Its batches cross to the main process encoded (:func:`fastfeed.codec.encode`)."""
+
+    in_this_process = False
 
     def __init__(self, control: ControlPipe) -> None:
         self._control = control
@@ -47,6 +54,9 @@ class WorkerSlots:
         """A batch needed ``nbytes``: the slots this worker makes itself will fit it."""
         self._largest_batch = max(self._largest_batch, nbytes)
 
+    def close(self) -> None:
+        self._control.close()
+
     def _buffer(self, slot_id: int) -> torch.Tensor:
         """The uint8 tensor over slot ``slot_id``, mapping it first if it is new."""
         while slot_id not in self._buffers:
@@ -68,6 +78,30 @@ class WorkerSlots:
             self._buffers.pop(message.slot_id, None)
 
 
+class ThreadSlots:
+    """A worker thread's way to the pool's slots: the slot pool itself, which this process
+    holds. Its batches are handed over as it made them (:class:`~fastfeed.protocol.InPlace`)."""
+
+    in_this_process = True
+
+    def __init__(self, slot_pool: SlotPool) -> None:
+        self._slot_pool = slot_pool
+
+    def arena(self, slot_id: int | None) -> Arena:
+        """Where a task's batch goes: its pool slot, through the memory its lease will be on
+        (:meth:`~fastfeed.slots.SlotPool.writer`); without one, ordinary memory, counted."""
+        if slot_id is None:
+            return Arena()
+        memory = self._slot_pool.writer(slot_id)
+        return Arena(slot_id, torch.frombuffer(memory.data, dtype=torch.uint8))
+
+    def written(self, nbytes: int) -> None:
+        pass  # a thread makes no slot of its own to size
+
+    def close(self) -> None:
+        pass
+
+
 def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     numel = 1
     for size in shape:
@@ -87,6 +121,7 @@ class Arena:
         self.buffer = buffer
         self.used = 0
         self.overflow = 0
+        self.outside = 0  # bytes empty() made outside the slot, aligned as if in it
         self._memfd: weakref.finalize | None = None
 
     @classmethod
@@ -127,8 +162,13 @@ class Arena:
 
     @property
     def required(self) -> int:
-        """Bytes this batch needs to fit in a slot."""
+        """Bytes this batch needs to fit in a slot, once the codec has placed what did not."""
         return self.used + self.overflow
+
+    @property
+    def requested(self) -> int:
+        """Bytes the ``empty`` tensors of a batch handed over as it was made need in a slot."""
+        return round_up(self.used, ALIGN) + self.outside
 
     def allocate(self, nbytes: int) -> int | None:
         """Reserve ``nbytes``; return the byte offset, or None (and count it) if it won't fit."""
@@ -145,7 +185,8 @@ class Arena:
         nbytes = _nbytes(shape, dtype)
         offset = self.allocate(nbytes)
         if offset is None:
-            self.overflow -= round_up(nbytes, ALIGN)  # not counted twice
+            self.overflow -= round_up(nbytes, ALIGN)  # the codec counts it as it places it
+            self.outside += round_up(nbytes, ALIGN)
             return torch.empty(shape, dtype=dtype)
         assert self.buffer is not None
         return self.buffer[offset : offset + nbytes].view(dtype).view(shape)

@@ -18,9 +18,11 @@ A ticket of an older generation is stale: using it changes nothing, and raises
 that releases twice can never free a slot another task owns.
 
 Every array of a delivered batch is a view of its lease's memory, so the slot returns only
-when nothing references the batch any more. A reader the slot pool cannot see (the GPU copying the
-slot on a stream) is declared with :meth:`Lease.fence`: the slot is not handed out again until
-every fence on it reports completion, whatever path dropped the batch.
+when nothing references the batch any more. (A worker thread's batch is handed over as it
+was made, not rebuilt: it writes through :meth:`SlotPool.writer`, the memory its lease will
+be on.) A reader the slot pool cannot see (the GPU copying the slot on a stream) is declared
+with :meth:`Lease.fence`: the slot is not handed out again until every fence on it reports
+completion, whatever path dropped the batch.
 """
 
 from __future__ import annotations
@@ -201,6 +203,22 @@ class SlotPool:
             slot = self._owned(ticket, SlotState.ASSIGNED, "release")
             if slot is not None:
                 slot.state = SlotState.FREE
+                slot.writer = None
+
+    def writer(self, slot_id: int) -> np.ndarray:
+        """The memory a worker in this process writes the batch of the task holding slot
+        ``slot_id`` through: the lease that task's ticket becomes is on this very view, so
+        that the batch's tensors, made over it, hold the slot as a rebuilt batch's views do.
+
+        Raises:
+            SlotOwnershipError: no task holds the slot.
+        """
+        with self._lock:
+            slot = self._slots.get(slot_id)
+            if slot is None or slot.state is not SlotState.ASSIGNED:
+                raise SlotOwnershipError(f"slot {slot_id} is written by no task")
+            slot.writer = slot.memory.view()
+            return slot.writer
 
     def lease(self, ticket: Ticket) -> Lease:
         """Turn ``ticket`` into its batch's lease; the slot returns when the views die."""
@@ -239,7 +257,8 @@ class SlotPool:
     def _lease(self, slot: Slot) -> Lease:
         # Under the lock, so that nothing sees the slot between hand-out and lease.
         slot.state = SlotState.LEASED
-        memory = slot.memory.view()
+        memory = slot.memory.view() if slot.writer is None else slot.writer
+        slot.writer = None
         weakref.finalize(memory, self._returned.append,
                          (slot.slot_id, slot.generation)).atexit = False
         return Lease(memory, self, slot)

@@ -55,6 +55,7 @@ class Slot:
     state: SlotState = SlotState.FREE
     generation: int = 0
     fences: list[Fence] = field(default_factory=list)
+    writer: np.ndarray | None = None  # the view a worker thread writes its task's batch through
 
     @property
     def address(self) -> int:
