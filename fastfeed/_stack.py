@@ -21,8 +21,8 @@ try:
 except ImportError:  # built without a compiler: the pure-torch path takes over
     _gather = None
 
-__all__ = ["bytes_are_values", "copy_threads", "extension_loaded", "set_copy_threads",
-           "stack_hwc_to_chw", "stack_into"]
+__all__ = ["bytes_are_values", "copy_threads", "extension_loaded", "gather_addresses",
+           "gather_into", "set_copy_threads", "stack_hwc_to_chw", "stack_into"]
 
 # Threads per gather, per calling thread; 0 (the default) lets the extension use every core.
 # A worker, process or thread, sets its share of the cores: two workers on two cores, each
@@ -65,6 +65,38 @@ def extension_loaded() -> bool:
     return _gather is not None
 
 
+def gather_addresses(samples: Sequence[Any]) -> list[int] | None:
+    """Where the compiled gather may copy ``samples`` as bytes: each one's address, when every
+    one is a contiguous tensor whose bytes are its values (:func:`bytes_are_values`) of the
+    first one's dtype and shape; else None (always, without the extension).
+
+    One pass, the cheapest checks first: it runs on every sample of every batch, with the GIL
+    held, and each tensor attribute costs a fraction of a microsecond.
+    """
+    if _gather is None or not samples or not bytes_are_values(samples[0]):
+        return None
+    first = samples[0]
+    dtype, shape, is_complex = first.dtype, first.shape, first.dtype.is_complex
+    addresses = []
+    for sample in samples:
+        # The first one's dtype rules out quantized tensors; only complex ones have a conjugate
+        # bit; the layout first, since a sparse tensor has no is_contiguous().
+        if (type(sample) is not torch.Tensor or sample.dtype is not dtype or not sample.is_cpu
+                or sample.requires_grad or sample.layout is not torch.strided
+                or sample.shape != shape or not sample.is_contiguous() or sample.is_neg()
+                or (is_complex and sample.is_conj())):
+            return None
+        addresses.append(sample.data_ptr())
+    return addresses
+
+
+def gather_into(out: torch.Tensor, addresses: list[int], threads: int | None = None) -> None:
+    """Copy the samples at ``addresses`` (from :func:`gather_addresses`) into ``out``, a
+    contiguous tensor of ``len(addresses)`` of them."""
+    _gather.gather(out.data_ptr(), addresses, out.nbytes // len(addresses),
+                   copy_threads() if threads is None else threads)
+
+
 def stack_into(out: torch.Tensor, samples: Sequence[torch.Tensor], threads: int | None = None
                ) -> None:
     """Copy equally shaped ``samples`` into ``out``, which has shape ``(len(samples), *shape)``.
@@ -74,17 +106,12 @@ def stack_into(out: torch.Tensor, samples: Sequence[torch.Tensor], threads: int 
     """
     if out.shape[0] != len(samples):
         raise ValueError(f"out holds {out.shape[0]} samples but {len(samples)} were given")
-    if (
-        _gather is not None
-        and out.is_contiguous()
-        and all(s.dtype == out.dtype and s.is_contiguous() and not _lazy_view(s)
-                for s in samples)
-        and all(s.shape == out.shape[1:] for s in samples)
-    ):
-        if samples:
-            nbytes = out.nbytes // len(samples)
-            _gather.gather(out.data_ptr(), [s.data_ptr() for s in samples], nbytes,
-                      copy_threads() if threads is None else threads)
+    if not samples:
+        return
+    addresses = gather_addresses(samples) if out.is_contiguous() else None
+    if (addresses is not None and samples[0].dtype == out.dtype
+            and samples[0].shape == out.shape[1:]):
+        gather_into(out, addresses, threads)
     else:
         torch.stack(list(samples), 0, out=out)
 

@@ -24,7 +24,13 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from fastfeed._stack import bytes_are_values, stack_hwc_to_chw, stack_into
+from fastfeed._stack import (
+    bytes_are_values,
+    gather_addresses,
+    gather_into,
+    stack_hwc_to_chw,
+    stack_into,
+)
 from fastfeed._torch_compat import collate_tensor_fn, collate_with, default_collate
 
 __all__ = ["CollateInto", "Empty", "SlotCollate", "as_collate_into", "batch_shape",
@@ -57,11 +63,15 @@ def stackable(samples: Sequence[Any]) -> bool:
 
 def _stack_into(empty: Empty, samples: Sequence[torch.Tensor], *,
                 collate_fn_map: Any = None) -> torch.Tensor:
-    if stackable(samples):
-        out = empty((len(samples), *samples[0].shape), samples[0].dtype)
+    addresses = gather_addresses(samples)  # the common case, checked in one pass
+    if addresses is None and not stackable(samples):
+        return collate_tensor_fn(samples, collate_fn_map=collate_fn_map)
+    out = empty((len(samples), *samples[0].shape), samples[0].dtype)
+    if addresses is None:
         stack_into(out, samples)
-        return out
-    return collate_tensor_fn(samples, collate_fn_map=collate_fn_map)
+    else:
+        gather_into(out, addresses)
+    return out
 
 
 def default_collate_into(samples: list, empty: Empty) -> Any:

@@ -60,6 +60,43 @@ def test_tensors_that_cannot_stack_fast_take_torchs_path_and_errors():
         default_collate_into([torch.rand(2), torch.rand(3)], empty)
 
 
+class Subclass(torch.Tensor):
+    pass
+
+
+def odd_last(kind):
+    """Four plain samples, then one the gather must not copy as bytes."""
+    g = torch.Generator().manual_seed(0)
+    plain = [torch.randn(2, 3, generator=g) for _ in range(4)]
+    last = torch.randn(2, 3, generator=g)
+    odd = {
+        "subclass": lambda: last.as_subclass(Subclass),
+        "requires_grad": lambda: last.requires_grad_(),
+        "neg view": lambda: torch._neg_view(last),
+        "transposed": lambda: torch.randn(3, 2, generator=g).t(),
+        "other shape": lambda: torch.randn(3, 2, generator=g),
+        "other dtype": lambda: last.double(),
+        "sparse": lambda: last.to_sparse(),
+    }[kind]()
+    return [*plain, odd]
+
+
+@pytest.mark.parametrize("kind", ["subclass", "requires_grad", "neg view", "transposed",
+                                  "other shape", "other dtype", "sparse"])
+def test_one_odd_sample_among_plain_ones_gets_what_default_collate_gives(kind):
+    """The fast path checks every sample, not the first: the last one decides here."""
+    try:
+        expected = default_collate(odd_last(kind))
+    except Exception as error:
+        with pytest.raises(type(error)):
+            default_collate_into(odd_last(kind), Recorder())
+        return
+    got = default_collate_into(odd_last(kind), Recorder())
+    assert type(got) is type(expected) and got.dtype == expected.dtype
+    assert got.requires_grad == expected.requires_grad
+    assert torch.equal(got.detach(), expected.detach())
+
+
 def test_a_slot_aware_collate_is_given_empty_and_any_other_ignores_it():
     class SlotAware:
         def __call__(self, samples):
