@@ -1,5 +1,7 @@
 """The gather kernels against torch.stack, on random inputs."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -73,6 +75,30 @@ def test_stack_into_large_batches_split_across_threads(threads):
     out = torch.empty((12, 3, 512, 1024), dtype=torch.uint8)
     _stack.stack_into(out, samples, threads=threads)
     assert torch.equal(out, torch.stack(samples))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("misalign", [0, 1, 15])
+@pytest.mark.parametrize("nbytes", [1, 15, 63, 64, 65, 1000, 3 * 224 * 224 + 7])
+def test_the_streaming_gather_writes_every_byte(nbytes, misalign, threads):
+    """Batches above the threshold are written with non-temporal stores: a 16-byte aligned
+    body between memcpy'd ends, whatever the destination's alignment and the sample size."""
+    g = torch.Generator().manual_seed(nbytes)
+    samples = [torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g) for _ in range(9)]
+    buffer = torch.zeros(9 * nbytes + 64, dtype=torch.uint8)
+    out = buffer[misalign:misalign + 9 * nbytes]
+    _stack._gather.gather(out.data_ptr(), [s.data_ptr() for s in samples], nbytes, threads,
+                          streaming_above=0)
+    assert torch.equal(out.view(9, nbytes), torch.stack(samples))
+    assert not buffer[:misalign].any() and not buffer[misalign + 9 * nbytes:].any()
+
+
+def test_batches_stream_above_three_quarters_of_the_l3():
+    size = Path("/sys/devices/system/cpu/cpu0/cache/index3/size")
+    if not size.exists():
+        pytest.skip("no L3 size in sysfs here")
+    kib = int(size.read_text().strip().rstrip("K"))
+    assert _stack._gather.streaming_threshold() == kib * 1024 // 4 * 3
 
 
 def test_stack_into_rejects_wrong_batch_size():
