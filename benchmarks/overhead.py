@@ -8,7 +8,9 @@ between processes, handing them over) and not decoding:
   default, far larger than the caches), shuffled, persistent workers; beside the loaders, the
   same run measures the bound: batches/s of gathering random samples with ``torch.stack`` in
   two processes of one thread each, and in one process with one thread per core, into one
-  reused output tensor and, as a loader must, into as many outputs as its slot pool has slots.
+  reused output tensor and, as a loader must, into as many outputs as its slot pool has slots;
+  and the same rotating gathers with fastfeed's own kernel, which writes a batch larger than
+  most of the L3 with non-temporal stores (the bound a loader that collates with it meets).
 
 The consumer reads one byte of every 4 KiB page of each batch, as a host-to-device copy would
 touch every page.
@@ -45,6 +47,7 @@ from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fastfeed import FastLoader
+from fastfeed._stack import stack_into
 from fastfeed.progress import progress
 
 DTYPES = {"uint8": torch.uint8, "float32": torch.float32}
@@ -149,15 +152,20 @@ def measure_one(loader_name: str, dtype: str, batch_size: int, workers: int, bat
 
 
 def _gather_rate(data: torch.Tensor, batch_size: int, batches: int, seed: int,
-                 destinations: int = 1) -> float:
-    """Batches/s of random gathers into ``destinations`` output tensors taken in turn."""
+                 destinations: int = 1, fastfeeds: bool = False) -> float:
+    """Batches/s of random gathers into ``destinations`` output tensors taken in turn, with
+    ``torch.stack`` or (``fastfeeds``) fastfeed's gather kernel."""
     outs = [torch.empty((batch_size, *data.shape[1:]), dtype=data.dtype)
             for _ in range(destinations)]
     g = torch.Generator().manual_seed(seed)
     start = time.perf_counter()
     for k in range(batches):
         picks = torch.randint(0, len(data), (batch_size,), generator=g).tolist()
-        torch.stack([data[i] for i in picks], out=outs[k % destinations])
+        samples = [data[i] for i in picks]
+        if fastfeeds:
+            stack_into(outs[k % destinations], samples, threads=torch.get_num_threads())
+        else:
+            torch.stack(samples, out=outs[k % destinations])
     return batches / (time.perf_counter() - start)
 
 
@@ -176,19 +184,23 @@ def gather_bound(cold_gb: float, batch_size: int, batches: int, destinations: in
     def one_thread(seed: int) -> None:
         torch.set_num_threads(1)
         rates.put((_gather_rate(data, batch_size, batches, seed),
-                   _gather_rate(data, batch_size, batches, seed, destinations)))
+                   _gather_rate(data, batch_size, batches, seed, destinations),
+                   _gather_rate(data, batch_size, batches, seed, destinations, fastfeeds=True)))
 
     procs = [ctx.Process(target=one_thread, args=(seed,)) for seed in range(2)]
     for proc in procs:
         proc.start()
-    pairs = [rates.get() for _ in procs]
+    triples = [rates.get() for _ in procs]
     for proc in procs:
         proc.join()
     torch.set_num_threads(os.cpu_count() or 1)
-    return {"two_processes": sum(p[0] for p in pairs),
-            "two_processes_rotating": sum(p[1] for p in pairs),
+    return {"two_processes": sum(t[0] for t in triples),
+            "two_processes_rotating": sum(t[1] for t in triples),
+            "two_processes_fastfeed_gather": sum(t[2] for t in triples),
             "one_process": _gather_rate(data, batch_size, batches, seed=2),
-            "one_process_rotating": _gather_rate(data, batch_size, batches, 2, destinations)}
+            "one_process_rotating": _gather_rate(data, batch_size, batches, 2, destinations),
+            "one_process_fastfeed_gather": _gather_rate(data, batch_size, batches, 2,
+                                                        destinations, fastfeeds=True)}
 
 
 def memcpy_bound(nbytes: int, repeats: int = 10) -> float:
@@ -376,20 +388,25 @@ def cold_main(args: argparse.Namespace) -> None:
     bounds = {k: statistics.median(r[k] for r in runs["bound"]) for k in runs["bound"][0]}
     best = max(bounds["two_processes"], bounds["one_process"])
     best_rotating = max(bounds["two_processes_rotating"], bounds["one_process_rotating"])
+    best_fastfeed = max(bounds["two_processes_fastfeed_gather"],
+                        bounds["one_process_fastfeed_gather"])
     print(f"\ncold: {args.cold_gb:g} GB of stored uint8 3×224×224 samples, shuffled, batch "
           f"{bs}, {args.workers} workers (processes or threads), persistent; medians of "
           f"{args.repeats} interleaved runs; Python {sys.version.split()[0]}, torch "
           f"{torch.__version__}, {os.cpu_count()} cores\n")
     print(f"bound: 2 processes × 1 thread {bounds['two_processes']:.0f}, 1 process × all cores "
           f"{bounds['one_process']:.0f} batches/s; with rotating outputs (as many as a slot "
-          f"pool) {bounds['two_processes_rotating']:.0f} / {bounds['one_process_rotating']:.0f}\n")
+          f"pool) {bounds['two_processes_rotating']:.0f} / {bounds['one_process_rotating']:.0f}; "
+          f"rotating, with fastfeed's gather {bounds['two_processes_fastfeed_gather']:.0f} / "
+          f"{bounds['one_process_fastfeed_gather']:.0f}\n")
     print("| loader | batches/s | / stock | % of best bound | % of best rotating bound "
-          "| peak RSS MB |")
-    print("|---|---|---|---|---|---|")
+          "| % of fastfeed's gather bound | peak RSS MB |")
+    print("|---|---|---|---|---|---|---|")
     for name in loaders:
         ratio = f"**{med[name] / med['stock']:.2f}×**" if "stock" in med else "n/a"
         print(f"| {name} | {med[name]:.0f} | {ratio} | {100 * med[name] / best:.0f} % "
-              f"| {100 * med[name] / best_rotating:.0f} % | {rss[name]:.0f} |")
+              f"| {100 * med[name] / best_rotating:.0f} % "
+              f"| {100 * med[name] / best_fastfeed:.0f} % | {rss[name]:.0f} |")
     for name in loaders:
         failed = sorted({r["exit_code"] for r in runs[name] if r["exit_code"]})
         if failed:

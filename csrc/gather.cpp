@@ -147,6 +147,44 @@ void gather(uintptr_t dst, const std::vector<uintptr_t>& sources, size_t nbytes,
     });
 }
 
+// One plane of uint8 pixels mapped through a 256-entry table into floats; with non-temporal
+// stores (16-byte aligned, four floats at a time) when streaming.
+void map_plane(float* dst, const uint8_t* src, size_t n, const float* table, bool streaming) {
+    size_t i = 0;
+#if defined(__SSE2__)
+    if (streaming) {
+        for (; i < n && (reinterpret_cast<uintptr_t>(dst + i) & 15) != 0; ++i) dst[i] = table[src[i]];
+        for (; i + 4 <= n; i += 4) {
+            _mm_stream_ps(dst + i, _mm_setr_ps(table[src[i]], table[src[i + 1]],
+                                               table[src[i + 2]], table[src[i + 3]]));
+        }
+    }
+#endif
+    for (; i < n; ++i) dst[i] = table[src[i]];
+}
+
+// Gathers uint8 CHW samples into a float32 NCHW batch at dst, each byte of channel c mapped
+// through tables[c] (256 floats each): a per-channel elementwise tail (to float, Normalize),
+// tabulated by the caller with the very ops it replaces, in the same pass as the gather.
+void gather_through_tables(uintptr_t dst, const std::vector<uintptr_t>& sources,
+                           size_t channels, size_t plane, uintptr_t tables, int threads,
+                           size_t streaming_above) {
+    const size_t total = sources.size() * channels * plane * sizeof(float);
+    const bool streaming = total > streaming_above;
+    const size_t nthreads = choose_threads(total, threads);
+    const auto* table = reinterpret_cast<const float*>(tables);
+    auto* out = reinterpret_cast<float*>(dst);
+    py::gil_scoped_release release;
+    parallel_ranges(sources.size() * channels, nthreads, [&](size_t begin, size_t end) {
+        for (size_t r = begin; r < end; ++r) {
+            const size_t n = r / channels, c = r % channels;
+            const auto* src = reinterpret_cast<const uint8_t*>(sources[n]) + c * plane;
+            map_plane(out + r * plane, src, plane, table + 256 * c, streaming);
+        }
+        if (streaming) fence_streaming_stores();
+    });
+}
+
 // A uint8 image as (address of pixel (0, 0) channel 0, row, column and channel strides in
 // bytes). Strides may be negative: a mirrored view, or channels read in reverse (BGR as RGB).
 using StridedImage = std::tuple<uintptr_t, int64_t, int64_t, int64_t>;
@@ -195,6 +233,11 @@ PYBIND11_MODULE(_gather, m) {
           py::arg("threads") = 0, py::arg("streaming_above") = default_streaming_threshold(),
           "Copy each source (nbytes each) to dst + i * nbytes. threads=0 picks by size; a batch "
           "of more than streaming_above bytes is written with non-temporal stores.");
+    m.def("gather_through_tables", &gather_through_tables, py::arg("dst"), py::arg("sources"),
+          py::arg("channels"), py::arg("plane"), py::arg("tables"), py::arg("threads") = 0,
+          py::arg("streaming_above") = default_streaming_threshold(),
+          "Gather uint8 CHW samples into float32 NCHW at dst, each byte of channel c mapped "
+          "through the 256 floats at tables + 256 * c.");
     m.def("streaming_threshold", &default_streaming_threshold,
           "Bytes above which a batch is written with non-temporal stores (3/4 of the L3).");
     m.def("gather_hwc_to_chw", &gather_hwc_to_chw, py::arg("dst"), py::arg("sources"),

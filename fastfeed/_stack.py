@@ -22,7 +22,8 @@ except ImportError:  # built without a compiler: the pure-torch path takes over
     _gather = None
 
 __all__ = ["bytes_are_values", "copy_threads", "extension_loaded", "gather_addresses",
-           "gather_into", "set_copy_threads", "stack_hwc_to_chw", "stack_into"]
+           "gather_into", "gather_through_tables", "set_copy_threads", "stack_hwc_to_chw",
+           "stack_into"]
 
 # Threads per gather, per calling thread; 0 (the default) lets the extension use every core.
 # A worker, process or thread, sets its share of the cores: two workers on two cores, each
@@ -95,6 +96,21 @@ def gather_into(out: torch.Tensor, addresses: list[int], threads: int | None = N
     contiguous tensor of ``len(addresses)`` of them."""
     _gather.gather(out.data_ptr(), addresses, out.nbytes // len(addresses),
                    copy_threads() if threads is None else threads)
+
+
+def gather_through_tables(out: torch.Tensor, addresses: list[int], tables: torch.Tensor,
+                          threads: int | None = None) -> None:
+    """``out[n, c] = tables[c][sample n's channel c]``: uint8 ``C×H×W`` samples at
+    ``addresses`` (from :func:`gather_addresses`) into the contiguous float32 ``N×C×H×W``
+    ``out``, each byte looked up in its channel's row of the float32 ``C×256`` ``tables``."""
+    n, channels, height, width = out.shape
+    if (out.dtype != torch.float32 or not out.is_contiguous() or len(addresses) != n
+            or tables.dtype != torch.float32 or tuple(tables.shape) != (channels, 256)
+            or not tables.is_contiguous()):
+        raise ValueError("gather_through_tables: out must be a contiguous float32 N×C×H×W "
+                         "tensor of len(addresses) samples, tables a contiguous float32 C×256")
+    _gather.gather_through_tables(out.data_ptr(), addresses, channels, height * width,
+                                  tables.data_ptr(), copy_threads() if threads is None else threads)
 
 
 def stack_into(out: torch.Tensor, samples: Sequence[torch.Tensor], threads: int | None = None

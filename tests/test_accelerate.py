@@ -28,6 +28,7 @@ from torchvision.transforms import v2  # noqa: E402
 
 from fastfeed import FastLoader  # noqa: E402
 from fastfeed._torch_compat import default_collate  # noqa: E402
+from fastfeed.collate import torch_empty  # noqa: E402
 from fastfeed.slots import Arena  # noqa: E402
 from fastfeed.tail_split import batch_tail_split, plan_tail  # noqa: E402
 from fastfeed.vision import ImageFolder as FastImageFolder  # noqa: E402
@@ -482,6 +483,39 @@ def test_tail_collate_writes_the_float_batch_into_the_slot(name, in_slot, root):
     assert_same(landed, expected)
     assert landing.owns(landed[0]) == in_slot
     assert pickle.loads(pickle.dumps(collate))._staging is None
+
+
+@pytest.mark.parametrize("name", ["v1-train", "v1-single", "reference-train-batchable"])
+def test_a_per_channel_tail_is_looked_up_as_the_images_are_gathered(name, root, monkeypatch):
+    """ToTensor then Normalize (or nothing) is elementwise per channel: the worker tabulates
+    it once and looks each byte up as it gathers, in one pass; every byte value in every
+    channel gives the staged batch's value, bit for bit."""
+    tail_ops_module = sys.modules[TailCollate.__module__]
+    fast = accelerate(datasets.ImageFolder(str(root), transform=PIPELINES[name]()))
+    _, tail = deferred_for_device(fast)
+    g = torch.Generator().manual_seed(0)
+    samples = [(torch.randint(0, 256, (3, 40, 33), dtype=torch.uint8, generator=g), i)
+               for i in range(7)]
+    samples[0][0].view(3, -1)[:, :256] = torch.arange(256, dtype=torch.uint8)
+    looked_up = []
+    gather = tail_ops_module.gather_through_tables
+    monkeypatch.setattr(tail_ops_module, "gather_through_tables",
+                        lambda *args: looked_up.append(1) or gather(*args))
+    images, _ = TailCollate(tail).collate_into(samples, torch_empty)
+    staged = tail.into(torch.stack([s[0] for s in samples]), torch_empty)
+    assert looked_up and images.dtype == staged.dtype == torch.float32
+    assert torch.equal(images, staged)
+
+
+def test_a_tail_in_another_float_dtype_is_not_tabulated(root):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        fast = accelerate(datasets.ImageFolder(str(root), transform=PIPELINES["v1-train"]()))
+        _, tail = deferred_for_device(fast)
+        assert tail.converts_to_float and tail.tables(3) is None
+    finally:
+        torch.set_default_dtype(previous)
 
 
 class Divisions(TorchFunctionMode):

@@ -93,6 +93,36 @@ def test_the_streaming_gather_writes_every_byte(nbytes, misalign, threads):
     assert not buffer[:misalign].any() and not buffer[misalign + 9 * nbytes:].any()
 
 
+@pytest.mark.parametrize("streaming_above", [0, 1 << 40])
+@pytest.mark.parametrize("misalign", [0, 4, 12])
+@pytest.mark.parametrize(("channels", "height", "width"), [(3, 5, 7), (1, 1, 3), (3, 32, 33)])
+def test_the_table_gather_maps_every_byte_through_its_channels_table(
+        channels, height, width, misalign, streaming_above):
+    g = torch.Generator().manual_seed(height)
+    samples = [torch.randint(0, 256, (channels, height, width), dtype=torch.uint8, generator=g)
+               for _ in range(5)]
+    tables = torch.randn(channels, 256, generator=g)
+    buffer = torch.zeros(5 * channels * height * width + 4)
+    out = buffer[misalign // 4:misalign // 4 + 5 * channels * height * width].view(
+        5, channels, height, width)
+    _stack._gather.gather_through_tables(out.data_ptr(), [s.data_ptr() for s in samples],
+                                         channels, height * width, tables.data_ptr(), 2,
+                                         streaming_above=streaming_above)
+    batch = torch.stack(samples).long()
+    expected = tables[torch.arange(channels).view(1, channels, 1, 1), batch]
+    assert torch.equal(out, expected)
+
+
+def test_the_table_gather_refuses_what_it_cannot_write():
+    samples = [torch.zeros(3, 2, 2, dtype=torch.uint8)]
+    addresses = _stack.gather_addresses(samples)
+    with pytest.raises(ValueError, match="float32"):
+        _stack.gather_through_tables(torch.empty(1, 3, 2, 2, dtype=torch.float64), addresses,
+                                     torch.zeros(3, 256))
+    with pytest.raises(ValueError, match="C×256"):
+        _stack.gather_through_tables(torch.empty(1, 3, 2, 2), addresses, torch.zeros(1, 256))
+
+
 def test_batches_stream_above_three_quarters_of_the_l3():
     size = Path("/sys/devices/system/cpu/cpu0/cache/index3/size")
     if not size.exists():

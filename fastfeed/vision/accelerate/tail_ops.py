@@ -16,9 +16,9 @@ import numpy as np
 import torch
 from PIL import Image
 
-from fastfeed._stack import stack_into
+from fastfeed._stack import gather_addresses, gather_through_tables, stack_into
 from fastfeed._torch_compat import default_collate
-from fastfeed.collate import Empty, stackable
+from fastfeed.collate import Empty, stackable, torch_empty
 from fastfeed.vision.accelerate.plan import Plan
 from fastfeed.vision.accelerate.recognise import TO_FLOAT, TO_UINT8, kind
 
@@ -158,6 +158,7 @@ class BatchTail:
         self.conversion = plan.conversion
         self.ops = tail_ops(plan.tail)
         self._float_start = self._find_float_start()
+        self._tables: dict[int, torch.Tensor] = {}  # by channel count (see tables())
 
     def __call__(self, batch: Any) -> Any:
         images, *rest = batch
@@ -199,6 +200,22 @@ class BatchTail:
                 result = op(result)
         return result
 
+
+    def tables(self, channels: int) -> torch.Tensor | None:
+        """The tail's value for every byte in each of ``channels`` channels (float32,
+        ``channels×256``), where it is that elementwise: a conversion to float32, then
+        ``Normalize`` or nothing; else None. Computed by :meth:`into` itself, on an image that
+        holds every byte value in every channel, so that a lookup gives its values bit for bit."""
+        if self._float_start is None:
+            return None
+        dtype, ops = self._float_start
+        if dtype != torch.float32 or not all(isinstance(op, _Normalize) for op in ops):
+            return None
+        if channels not in self._tables:
+            every_byte = torch.arange(256, dtype=torch.uint8).repeat(channels, 1)
+            self._tables[channels] = self.into(every_byte.view(1, channels, 16, 16),
+                                               torch_empty).reshape(channels, 256).contiguous()
+        return self._tables[channels]
 
     def finish_into(self, batch: Any, empty: Empty) -> Any:
         """:meth:`__call__` on ``batch`` (``default_collate``'s, uint8 images first), its
@@ -243,10 +260,23 @@ class TailCollate:
         images = [s[0] for s in samples]
         if images[0].dtype != torch.uint8 or not stackable(images):
             return self(samples)
+        # default_collate of tuples: a list, one collated entry per position
+        rest = [default_collate(list(column)) for column in list(zip(*samples, strict=True))[1:]]
+        return [self._float_images(images, empty), *rest]
+
+    def _float_images(self, images: list[torch.Tensor], empty: Empty) -> torch.Tensor:
+        """The tail of the uint8 ``images``, into memory from ``empty``: looked up in its
+        tables as the images are gathered, in one pass, where it is a per-channel table; else
+        computed from a staging batch of the uint8 images."""
+        tables = self.tail.tables(images[0].shape[0]) if images[0].dim() == 3 else None
+        addresses = None if tables is None else gather_addresses(images)
+        if addresses is not None:
+            assert tables is not None
+            out = empty((len(images), *images[0].shape), tables.dtype)
+            gather_through_tables(out, addresses, tables)
+            return out
         shape = (len(images), *images[0].shape)
         if self._staging is None or self._staging.shape != shape:
             self._staging = torch.empty(shape, dtype=torch.uint8)
         stack_into(self._staging, images)
-        # default_collate of tuples: a list, one collated entry per position
-        rest = [default_collate(list(column)) for column in list(zip(*samples, strict=True))[1:]]
-        return [self.tail.into(self._staging, empty), *rest]
+        return self.tail.into(self._staging, empty)
