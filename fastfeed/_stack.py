@@ -26,6 +26,7 @@ __all__ = ["bytes_are_values", "copy_threads", "extension_loaded", "gather_addre
            "stack_into"]
 
 _dispatch_keys = torch._C._dispatch_keys
+_NEGATIVE, _CONJUGATE = torch._C.DispatchKey.Negative, torch._C.DispatchKey.Conjugate
 
 # Threads per gather, per calling thread; 0 (the default) lets the extension use every core.
 # A worker, process or thread, sets its share of the cores: two workers on two cores, each
@@ -59,8 +60,10 @@ def bytes_are_values(tensor: torch.Tensor) -> bool:
 
 
 def _lazy_view(tensor: torch.Tensor) -> bool:
-    """A lazy conjugate or negative view: its bytes are not its values."""
-    return tensor.is_conj() or tensor.is_neg()
+    """A lazy conjugate or negative view: its bytes are not its values. Read from its dispatch
+    keys: ``is_conj()`` and ``is_neg()`` release the GIL (see :func:`gather_addresses`)."""
+    keys = _dispatch_keys(tensor)
+    return keys.has(_NEGATIVE) or keys.has(_CONJUGATE)
 
 
 def extension_loaded() -> bool:

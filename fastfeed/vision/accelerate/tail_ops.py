@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from fastfeed._stack import gather_addresses, gather_through_tables, stack_into
+from fastfeed._stack import gather_addresses, gather_into, gather_through_tables, stack_into
 from fastfeed._torch_compat import default_collate
 from fastfeed.collate import Empty, stackable, torch_empty
 from fastfeed.vision.accelerate.plan import Plan
@@ -258,25 +258,33 @@ class TailCollate:
                 and all(type(s) is tuple and len(s) == len(first) for s in samples)):
             return self(samples)
         images = [s[0] for s in samples]
-        if images[0].dtype != torch.uint8 or not stackable(images):
+        if images[0].dtype != torch.uint8:
+            return self(samples)
+        addresses = gather_addresses(images)  # the common case, checked in one pass
+        if addresses is None and not stackable(images):
             return self(samples)
         # default_collate of tuples: a list, one collated entry per position
         rest = [default_collate(list(column)) for column in list(zip(*samples, strict=True))[1:]]
-        return [self._float_images(images, empty), *rest]
+        return [self._float_images(images, addresses, empty), *rest]
 
-    def _float_images(self, images: list[torch.Tensor], empty: Empty) -> torch.Tensor:
-        """The tail of the uint8 ``images``, into memory from ``empty``: looked up in its
-        tables as the images are gathered, in one pass, where it is a per-channel table; else
-        computed from a staging batch of the uint8 images."""
-        tables = self.tail.tables(images[0].shape[0]) if images[0].dim() == 3 else None
-        addresses = None if tables is None else gather_addresses(images)
-        if addresses is not None:
-            assert tables is not None
+    def _float_images(self, images: list[torch.Tensor], addresses: list[int] | None,
+                      empty: Empty) -> torch.Tensor:
+        """The tail of the uint8 ``images`` (at ``addresses``, where the gather may copy
+        them), into memory from ``empty``: looked up in its tables as the images are
+        gathered, in one pass, where it is a per-channel table; else computed from a staging
+        batch of the uint8 images."""
+        tables = None
+        if addresses is not None and images[0].dim() == 3:
+            tables = self.tail.tables(images[0].shape[0])
+        if addresses is not None and tables is not None:
             out = empty((len(images), *images[0].shape), tables.dtype)
             gather_through_tables(out, addresses, tables)
             return out
         shape = (len(images), *images[0].shape)
         if self._staging is None or self._staging.shape != shape:
             self._staging = torch.empty(shape, dtype=torch.uint8)
-        stack_into(self._staging, images)
+        if addresses is None:
+            stack_into(self._staging, images)
+        else:
+            gather_into(self._staging, addresses)
         return self.tail.into(self._staging, empty)
