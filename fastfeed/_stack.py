@@ -22,27 +22,37 @@ except ImportError:  # built without a compiler: the pure-torch path takes over
     _gather = None
 
 __all__ = ["bytes_are_values", "copy_threads", "extension_loaded", "gather_addresses",
-           "gather_into", "gather_through_tables", "set_copy_threads", "stack_hwc_to_chw",
-           "stack_into"]
+           "gather_into", "gather_through_tables", "set_copy_threads", "set_shares_the_gil",
+           "shares_the_gil", "stack_hwc_to_chw", "stack_into"]
 
 _dispatch_keys = torch._C._dispatch_keys
 _NEGATIVE, _CONJUGATE = torch._C.DispatchKey.Negative, torch._C.DispatchKey.Conjugate
 
-# Threads per gather, per calling thread; 0 (the default) lets the extension use every core.
-# A worker, process or thread, sets its share of the cores: two workers on two cores, each
+# Per calling thread: the threads each gather may use, 0 (the default) for every core (a
+# worker, process or thread, sets its share of the cores: two workers on two cores, each
 # starting two threads per batch, would fight over the cores with each other and with the main
-# process.
-_copy_threads = threading.local()
+# process); and whether the thread shares the GIL with other busy threads (see _lazy_view).
+_per_thread = threading.local()
 
 
 def set_copy_threads(threads: int) -> None:
     """Set the threads each gather called from this thread may use (0: every core)."""
-    _copy_threads.count = max(0, int(threads))
+    _per_thread.copy_threads = max(0, int(threads))
 
 
 def copy_threads() -> int:
     """The threads each gather called from this thread may use (0: every core)."""
-    return getattr(_copy_threads, "count", 0)
+    return getattr(_per_thread, "copy_threads", 0)
+
+
+def set_shares_the_gil(shares: bool) -> None:
+    """Say that this thread shares the GIL with other busy threads (a worker thread): the
+    per-sample checks then make no torch call that releases it."""
+    _per_thread.shares_the_gil = shares
+
+
+def shares_the_gil() -> bool:
+    return getattr(_per_thread, "shares_the_gil", False)
 
 
 def bytes_are_values(tensor: torch.Tensor) -> bool:
@@ -60,10 +70,19 @@ def bytes_are_values(tensor: torch.Tensor) -> bool:
 
 
 def _lazy_view(tensor: torch.Tensor) -> bool:
-    """A lazy conjugate or negative view: its bytes are not its values. Read from its dispatch
-    keys: ``is_conj()`` and ``is_neg()`` release the GIL (see :func:`gather_addresses`)."""
-    keys = _dispatch_keys(tensor)
-    return keys.has(_NEGATIVE) or keys.has(_CONJUGATE)
+    """A lazy conjugate or negative view: its bytes are not its values.
+
+    ``is_conj()`` and ``is_neg()`` release the GIL: checked for every sample of a batch in a
+    thread that shares the GIL with busy ones, each release can hand it away for far longer
+    than the call (thread workers made 11 % fewer batches so). There the bits are read from
+    the tensor's dispatch keys instead; but not everywhere: each read makes a pybind object,
+    whose registration writes pybind's table of instances, and in a forked worker those writes
+    copy the parent's pages of it (4.5 MB in an epoch of 200,000 samples).
+    """
+    if shares_the_gil():
+        keys = _dispatch_keys(tensor)
+        return keys.has(_NEGATIVE) or keys.has(_CONJUGATE)
+    return tensor.is_conj() or tensor.is_neg()
 
 
 def extension_loaded() -> bool:
@@ -76,22 +95,19 @@ def gather_addresses(samples: Sequence[Any]) -> list[int] | None:
     one is a contiguous tensor whose bytes are its values (:func:`bytes_are_values`) of the
     first one's dtype and shape; else None (always, without the extension).
 
-    One pass, with the GIL held throughout: it runs on every sample of every batch. Each
-    sample's dispatch keys must be the first one's: the same device and layout, and no lazy
-    conjugate or negative bit, read there rather than with ``is_conj()`` and ``is_neg()``,
-    which release the GIL: in a loop beside other threads (thread workers, the training
-    thread) each release can hand it away, which cost thread workers 11 % of their batches.
+    One pass, the cheapest checks first: it runs on every sample of every batch.
     """
     if _gather is None or not samples or not bytes_are_values(samples[0]):
         return None
     first = samples[0]
-    dtype, shape, keys = first.dtype, first.shape, _dispatch_keys(first)
+    dtype, shape = first.dtype, first.shape
     addresses = []
     for sample in samples:
-        # The keys before is_contiguous(), which a sparse tensor does not have.
-        if (type(sample) is not torch.Tensor or sample.dtype is not dtype
-                or _dispatch_keys(sample) != keys or sample.requires_grad
-                or sample.shape != shape or not sample.is_contiguous()):
+        # The first one's dtype rules out quantized tensors; the layout before
+        # is_contiguous(), which a sparse tensor does not have.
+        if (type(sample) is not torch.Tensor or sample.dtype is not dtype or not sample.is_cpu
+                or sample.requires_grad or sample.layout is not torch.strided
+                or sample.shape != shape or not sample.is_contiguous() or _lazy_view(sample)):
             return None
         addresses.append(sample.data_ptr())
     return addresses

@@ -21,7 +21,7 @@ import torch
 from torch.utils.data import get_worker_info
 
 from fastfeed._proc import available_cpus
-from fastfeed._stack import set_copy_threads
+from fastfeed._stack import set_copy_threads, set_shares_the_gil
 from fastfeed._torch_compat import (
     ExceptionWrapper,
     name_worker_process,
@@ -63,10 +63,12 @@ def worker_info() -> Any:
 
 def share_process(config: WorkerConfig) -> None:
     """Set up a worker thread: :func:`worker_info` describes it, with generators of its own,
-    and its gathers take its share of the cores, as a worker process's do."""
+    its gathers take its share of the cores, as a worker process's do, and its checks keep
+    the GIL it shares with the training thread."""
     _thread_local.info = thread_worker_info(config.worker_id, config.num_workers,
                                             config.base_seed + config.worker_id, config.dataset)
     _take_share_of_cores(config)
+    set_shares_the_gil(True)
 
 
 def _take_share_of_cores(config: WorkerConfig) -> None:

@@ -8,6 +8,7 @@ import pytest
 import torch
 from helpers import assert_same
 
+from fastfeed import _stack
 from fastfeed._torch_compat import default_collate
 from fastfeed.collate import as_collate_into, batch_shape, default_collate_into, gather_images
 
@@ -67,6 +68,9 @@ class Subclass(torch.Tensor):
 def odd_last(kind):
     """Four plain samples, then one the gather must not copy as bytes."""
     g = torch.Generator().manual_seed(0)
+    if kind == "conj view":
+        complex_ = [torch.randn(2, 3, dtype=torch.complex64, generator=g) for _ in range(5)]
+        return [*complex_[:4], complex_[4].conj()]
     plain = [torch.randn(2, 3, generator=g) for _ in range(4)]
     last = torch.randn(2, 3, generator=g)
     odd = {
@@ -81,9 +85,17 @@ def odd_last(kind):
     return [*plain, odd]
 
 
-@pytest.mark.parametrize("kind", ["subclass", "requires_grad", "neg view", "transposed",
-                                  "other shape", "other dtype", "sparse"])
-def test_one_odd_sample_among_plain_ones_gets_what_default_collate_gives(kind):
+@pytest.fixture(params=[False, True], ids=["own-gil", "shared-gil"])
+def shares_the_gil(request):
+    """Both ways of reading the lazy bits: a worker thread's (dispatch keys) and others'."""
+    _stack.set_shares_the_gil(request.param)
+    yield request.param
+    _stack.set_shares_the_gil(False)
+
+
+@pytest.mark.parametrize("kind", ["subclass", "requires_grad", "neg view", "conj view",
+                                  "transposed", "other shape", "other dtype", "sparse"])
+def test_one_odd_sample_among_plain_ones_gets_what_default_collate_gives(kind, shares_the_gil):
     """The fast path checks every sample, not the first: the last one decides here."""
     try:
         expected = default_collate(odd_last(kind))

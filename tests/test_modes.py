@@ -145,6 +145,30 @@ def test_each_worker_gathers_on_its_share_of_the_cores(mode):
     assert copy_threads() == 0
 
 
+class SharesTheGil(torch.utils.data.Dataset):
+    """Each sample: whether the thread that read it said it shares the GIL with busy ones."""
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        from fastfeed._stack import shares_the_gil
+
+        return torch.tensor(shares_the_gil())
+
+
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_only_worker_threads_keep_the_gil_in_their_checks(mode):
+    """Worker threads read the lazy bits without releasing the GIL; worker processes, and the
+    training thread, read them with is_neg()/is_conj(), which makes no pybind object (whose
+    registration would copy a forked worker's inherited pages)."""
+    from fastfeed._stack import shares_the_gil
+
+    batches = list(FastLoader(SharesTheGil(), batch_size=2, num_workers=2, worker_mode=mode))
+    assert torch.cat(batches).tolist() == [mode == "thread"] * 4
+    assert not shares_the_gil()
+
+
 @pytest.mark.parametrize(("kwargs", "match"), [
     ({"worker_mode": "fibers"}, "worker_mode"),
     ({"num_workers": 2, "worker_mode": "thread", "deterministic": True}, "threads share"),
