@@ -125,7 +125,8 @@ class _SlotPickler(ForkingPickler):
     def persistent_id(self, obj: Any) -> Any:
         # pickle asks this of every object it meets, the ints and tuples of each descriptor
         # included: only exact tensors and arrays can have one.
-        if type(obj) is not torch.Tensor and type(obj) is not np.ndarray:
+        cls = type(obj)
+        if cls is not torch.Tensor and cls is not np.ndarray:
             return None
         seen = self._seen.get(id(obj))
         if seen is not None:

@@ -120,53 +120,33 @@ def test_a_thread_still_in_its_task_at_shutdown_keeps_its_slot_until_it_ends():
     assert wait_until(lambda: gc.collect() is not None and slot_pool.occupancy[0] == 0)
 
 
-class CopyThreadsDataset(torch.utils.data.Dataset):
-    """Each sample: how many threads a gather called where it was read may use."""
+class ThreadSetup(torch.utils.data.Dataset):
+    """Each sample: how many threads a gather called where it was read may use, and whether
+    that thread said it shares the GIL with busy ones."""
 
     def __len__(self):
         return 8
 
     def __getitem__(self, i):
-        from fastfeed._stack import copy_threads
+        from fastfeed._stack import copy_threads, shares_the_gil
 
-        return torch.tensor(copy_threads())
+        return torch.tensor([copy_threads(), shares_the_gil()])
 
 
 @pytest.mark.parametrize("mode", ["thread", "process"])
-def test_each_worker_gathers_on_its_share_of_the_cores(mode):
+def test_each_worker_sets_up_its_thread(mode):
     """Two workers' gathers each take half the cores, not every core each (four threads on
-    two cores, with thread workers); the main thread keeps every core for its own."""
+    two cores, with thread workers); the main thread keeps every core for its own. Worker
+    threads read the lazy bits without releasing the GIL; worker processes, and the training
+    thread, with is_neg()/is_conj(), which make no pybind object (whose registration would
+    copy a forked worker's inherited pages)."""
     from fastfeed._proc import available_cpus
-    from fastfeed._stack import copy_threads
+    from fastfeed._stack import copy_threads, shares_the_gil
 
-    batches = list(FastLoader(CopyThreadsDataset(), batch_size=2, num_workers=2,
-                              worker_mode=mode))
-    assert torch.cat(batches).tolist() == [max(1, available_cpus() // 2)] * 8
-    assert copy_threads() == 0
-
-
-class SharesTheGil(torch.utils.data.Dataset):
-    """Each sample: whether the thread that read it said it shares the GIL with busy ones."""
-
-    def __len__(self):
-        return 4
-
-    def __getitem__(self, i):
-        from fastfeed._stack import shares_the_gil
-
-        return torch.tensor(shares_the_gil())
-
-
-@pytest.mark.parametrize("mode", ["thread", "process"])
-def test_only_worker_threads_keep_the_gil_in_their_checks(mode):
-    """Worker threads read the lazy bits without releasing the GIL; worker processes, and the
-    training thread, read them with is_neg()/is_conj(), which makes no pybind object (whose
-    registration would copy a forked worker's inherited pages)."""
-    from fastfeed._stack import shares_the_gil
-
-    batches = list(FastLoader(SharesTheGil(), batch_size=2, num_workers=2, worker_mode=mode))
-    assert torch.cat(batches).tolist() == [mode == "thread"] * 4
-    assert not shares_the_gil()
+    batches = list(FastLoader(ThreadSetup(), batch_size=2, num_workers=2, worker_mode=mode))
+    share = max(1, available_cpus() // 2)
+    assert torch.cat(batches).tolist() == [[share, mode == "thread"]] * 8
+    assert copy_threads() == 0 and not shares_the_gil()
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [
