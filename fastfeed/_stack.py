@@ -135,18 +135,20 @@ def gather_through_tables(out: torch.Tensor, addresses: list[int], tables: torch
                                   tables.data_ptr(), copy_threads() if threads is None else threads)
 
 
-def stack_into(out: torch.Tensor, samples: Sequence[torch.Tensor], threads: int | None = None
-               ) -> None:
+def stack_into(out: torch.Tensor, samples: Sequence[torch.Tensor], threads: int | None = None,
+               addresses: list[int] | None = None) -> None:
     """Copy equally shaped ``samples`` into ``out``, which has shape ``(len(samples), *shape)``.
 
     Equivalent to ``torch.stack(samples, 0, out=out)``. Contiguous sources of ``out``'s dtype
     take the compiled path; anything else (strided views, mixed dtypes) takes torch's.
+    ``addresses``: the samples' :func:`gather_addresses`, where the caller has them already.
     """
     if out.shape[0] != len(samples):
         raise ValueError(f"out holds {out.shape[0]} samples but {len(samples)} were given")
     if not samples:
         return
-    addresses = gather_addresses(samples) if out.is_contiguous() else None
+    if addresses is None and out.is_contiguous():
+        addresses = gather_addresses(samples)
     if (addresses is not None and samples[0].dtype == out.dtype
             and samples[0].shape == out.shape[1:]):
         gather_into(out, addresses, threads)

@@ -24,13 +24,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from fastfeed._stack import (
-    bytes_are_values,
-    gather_addresses,
-    gather_into,
-    stack_hwc_to_chw,
-    stack_into,
-)
+from fastfeed._stack import bytes_are_values, gather_addresses, stack_hwc_to_chw, stack_into
 from fastfeed._torch_compat import collate_tensor_fn, collate_with, default_collate
 
 __all__ = ["CollateInto", "Empty", "SlotCollate", "as_collate_into", "batch_shape",
@@ -67,10 +61,7 @@ def _stack_into(empty: Empty, samples: Sequence[torch.Tensor], *,
     if addresses is None and not stackable(samples):
         return collate_tensor_fn(samples, collate_fn_map=collate_fn_map)
     out = empty((len(samples), *samples[0].shape), samples[0].dtype)
-    if addresses is None:
-        stack_into(out, samples)
-    else:
-        gather_into(out, addresses)
+    stack_into(out, samples, addresses=addresses)
     return out
 
 

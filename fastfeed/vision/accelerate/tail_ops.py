@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from fastfeed._stack import gather_addresses, gather_into, gather_through_tables, stack_into
+from fastfeed._stack import gather_addresses, gather_through_tables, stack_into
 from fastfeed._torch_compat import default_collate
 from fastfeed.collate import Empty, stackable, torch_empty
 from fastfeed.vision.accelerate.plan import Plan
@@ -283,8 +283,5 @@ class TailCollate:
         shape = (len(images), *images[0].shape)
         if self._staging is None or self._staging.shape != shape:
             self._staging = torch.empty(shape, dtype=torch.uint8)
-        if addresses is None:
-            stack_into(self._staging, images)
-        else:
-            gather_into(self._staging, addresses)
+        stack_into(self._staging, images, addresses=addresses)
         return self.tail.into(self._staging, empty)
