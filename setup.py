@@ -7,6 +7,8 @@ All are plain C++ with pybind11: none needs torch nor CUDA at build time.
   (Ultralytics' default random perspective).
 - ``fastfeed._hsv``: Ultralytics' HSV jitter (OpenCV's BGR->HSV, a lookup, HSV->BGR) in one pass.
 - ``fastfeed._flags``: release/acquire flags for the Ultralytics image cache shared by processes.
+- ``fastfeed._mt19937``: the next words of a torch CPU generator, from the bytes of its state
+  (torchvision's crop windows drawn without a torch op per number).
 - ``fastfeed._jpeg``: region-of-interest JPEG decoding, built when libjpeg-turbo's headers are
   present (Debian: libjpeg-dev). It links the static ``libjpeg.a`` installed with those headers
   where there is one, so that the library is the one the headers describe; else ``-ljpeg``,
@@ -103,6 +105,7 @@ extensions = [
                flags=("-ffp-contract=off", "-fno-math-errno", "-Wno-maybe-uninitialized",
                       "-Wno-psabi")),
     _extension("fastfeed._flags", "csrc/shared_flags.cpp"),
+    _extension("fastfeed._mt19937", "csrc/torch_mt19937.cpp", flags=("-ffp-contract=off",)),
 ]
 libjpeg = _libjpeg()
 if libjpeg is not None:

@@ -91,6 +91,8 @@ def collect() -> dict[str, str]:
         "YOLO HSV kernel": _yolo_kernel("_hsv", "HSV"),
         "YOLO shared cache": "fastfeed._flags" if importable("fastfeed._flags")
         else "not built: patch(cache='shared') is off",
+        "crop-window draws": "fastfeed._mt19937" if importable("fastfeed._mt19937")
+        else "not built: torchvision's ops draw accelerate's windows",
         "shared-memory slots": "memfd" if slots_supported() else "unsupported here: ordinary path",
         "CUDA": f"{torch.version.cuda} ({torch.cuda.device_count()} device(s))"
         if cuda

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import warnings
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -39,7 +40,9 @@ from fastfeed.vision.accelerate import (  # noqa: E402
     accelerate,
     batch_tail,
     deferred_for_device,
+    torch_draws,
 )
+from fastfeed.vision.accelerate import geometry as geometry_module  # noqa: E402
 from fastfeed.vision.synthetic import make_image, make_imagefolder  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -209,6 +212,47 @@ def assert_same_as_stock(stock, fast, recorder, max_grey_levels=2.0):
             assert fast_image.is_contiguous() or not image.is_contiguous()
         assert grey_levels(image, fast_image, stock.transform, unscaled) <= max_grey_levels, \
             stock.samples[index][0]
+
+
+class NoRecorder:
+    def take(self):
+        return []
+
+
+@pytest.mark.parametrize("name", ["v1-train", "v1-nested", "v1-uint8", "v1-jitter", "v2-train",
+                                  "reference-train"])
+def test_worker_processes_draw_the_same_windows_without_torch_ops(name, root):
+    """In a worker process's main thread, torchvision's own RandomResizedCrop and flips are
+    drawn from a copy of the generator's state (torch_draws): the same windows (pixels as
+    close as ever) and the generator left where torchvision's ops leave it; other crops
+    (v2's) keep their own draws."""
+    transform = PIPELINES[name]()
+    stock = datasets.ImageFolder(str(root), transform=transform)
+    fast = accelerate(stock)
+    with mock.patch.object(torch_draws, "get_worker_info", return_value=object()), \
+            mock.patch.object(torch_draws.Draws, "commit", autospec=True,
+                              side_effect=torch_draws.Draws.commit) as commits:
+        assert_same_as_stock(stock, fast, NoRecorder(), GREY_LEVELS.get(name, 2.0))
+    assert commits.call_count == (len(stock) if name.startswith(("v1", "reference")) else 0)
+
+
+def test_copied_draws_give_torchvisions_windows_at_every_size():
+    """draw_window's copied draws against torchvision's own, over image sizes, scales and
+    ratios (a window that falls back to the centre crop included)."""
+    rng = random.Random(0)
+    for seed in range(400):
+        width, height = rng.randint(8, 3000), rng.randint(8, 3000)
+        geometry = [("RandomResizedCrop", T.RandomResizedCrop(
+            64, scale=rng.choice([(0.08, 1.0), (0.9, 1.0), (0.2, 0.3)]),
+            ratio=rng.choice([(3 / 4, 4 / 3), (0.2, 5.0), (4.0, 5.0)]))),
+            ("RandomHorizontalFlip", T.RandomHorizontalFlip())]
+        torch.manual_seed(seed)
+        expected = vars(geometry_module._fold(geometry, width, height, None))
+        after = torch.get_rng_state()
+        torch.manual_seed(seed)
+        with mock.patch.object(torch_draws, "get_worker_info", return_value=object()):
+            assert vars(geometry_module.draw_window(geometry, width, height)) == expected
+        assert torch.equal(torch.get_rng_state(), after)
 
 
 def test_flip_is_the_same_draw(root):

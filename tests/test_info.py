@@ -31,7 +31,7 @@ def test_info_reports_what_this_machine_has():
     assert printed["CPUs (affinity)"] == str(len(os.sched_getaffinity(0)))
     assert printed["shared-memory slots"] == "memfd"  # Linux
     for key in ("fastfeed", "numpy", "Pillow", "YOLO warp kernel", "YOLO HSV kernel",
-                "YOLO shared cache", "CUDA", "GPU", "NVML",
+                "YOLO shared cache", "crop-window draws", "CUDA", "GPU", "NVML",
                 "Ultralytics", "/dev/shm"):
         assert printed[key], key
 

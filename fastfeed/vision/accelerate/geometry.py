@@ -9,6 +9,12 @@ from typing import Any
 import torch
 
 from fastfeed.vision.accelerate.recognise import CROPS, TIMM_RRC, interpolation_mode
+from fastfeed.vision.accelerate.torch_draws import (
+    Draws,
+    Undecided,
+    draw_session,
+    draws_like_torchvision,
+)
 from fastfeed.vision.window_decode import Box
 
 __all__ = ["SourceWindow", "draw_window", "needs_padding"]
@@ -78,11 +84,15 @@ def _size_stub(width: int, height: int) -> torch.Tensor:
     return torch.empty((), dtype=torch.uint8).expand(3, height, width)
 
 
-def _random_resized_crop(name: str, transform: Any, width: int, height: int
-                         ) -> tuple[Box, Any]:
+def _random_resized_crop(name: str, transform: Any, width: int, height: int,
+                         draws: Draws | None) -> tuple[Box, Any]:
     """((left, top, width, height), interpolation) drawn by the transform's own code: torch's
     generator for torchvision's, Python's ``random`` for timm's (the window, then the
-    interpolation when it is ``"random"``), in that library's order."""
+    interpolation when it is ``"random"``), in that library's order; or, given ``draws``, the
+    numbers torchvision's own code would draw (:mod:`~.torch_draws`)."""
+    if draws is not None:
+        top, left, h, w = draws.resized_crop(width, height, transform.scale, transform.ratio)
+        return (left, top, w, h), transform.interpolation
     stub = _size_stub(width, height)
     if name == TIMM_RRC:
         top, left, h, w = transform.get_params(stub, transform.scale, transform.ratio)
@@ -99,12 +109,30 @@ def _random_resized_crop(name: str, transform: Any, width: int, height: int
 
 def draw_window(geometry: list[tuple[str, Any]], width: int, height: int) -> SourceWindow:
     """Fold the prefix's geometry into one window of a ``width``×``height`` source, with the
-    transforms' own draws."""
+    transforms' own draws: where every crop is torchvision's own ``RandomResizedCrop``, the
+    numbers its ops would draw, made without them where this thread may
+    (:func:`~.torch_draws.draw_session`)."""
+    draws = None
+    if all(name not in CROPS or draws_like_torchvision(t) for name, t in geometry):
+        draws = draw_session()
+    if draws is not None:
+        try:
+            window = _fold(geometry, width, height, draws)
+        except Undecided:
+            pass  # nothing committed: torch's ops draw this image
+        else:
+            draws.commit()
+            return window
+    return _fold(geometry, width, height, None)
+
+
+def _fold(geometry: list[tuple[str, Any]], width: int, height: int,
+          draws: Draws | None) -> SourceWindow:
     window = SourceWindow(width, height)
     for name, transform in geometry:
         if name in CROPS:
             box, interpolation = _random_resized_crop(name, transform, window.width,
-                                                      window.height)
+                                                      window.height, draws)
             window.crop(*box)
             window.resize(_pair(transform.size), interpolation)
         elif name == "Resize":
@@ -114,8 +142,10 @@ def draw_window(geometry: list[tuple[str, Any]], width: int, height: int) -> Sou
             crop_w, crop_h = _pair(transform.size)
             window.crop(*_center_crop_offsets(window.width, window.height, crop_w, crop_h),
                         crop_w, crop_h)
-        elif float(torch.rand(1)) < transform.p:  # RandomHorizontalFlip: torchvision's draw
-            window.flipped = not window.flipped
+        else:  # RandomHorizontalFlip: torchvision's draw
+            chance = draws.rand() if draws is not None else float(torch.rand(1))
+            if chance < transform.p:
+                window.flipped = not window.flipped
     return window
 
 
