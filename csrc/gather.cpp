@@ -147,39 +147,56 @@ void gather(uintptr_t dst, const std::vector<uintptr_t>& sources, size_t nbytes,
     });
 }
 
-// One plane of uint8 pixels mapped through a 256-entry table into floats; with non-temporal
-// stores (16-byte aligned, four floats at a time) when streaming.
-void map_plane(float* dst, const uint8_t* src, size_t n, const float* table, bool streaming) {
+// n uint8 pixels, `stride` bytes apart, mapped through a 256-entry table into floats; with
+// non-temporal stores (16-byte aligned, four floats at a time) when streaming.
+void map_pixels(float* dst, const uint8_t* src, size_t n, int64_t stride, const float* table,
+                bool streaming) {
+    auto at = [src, stride](size_t i) { return src[static_cast<int64_t>(i) * stride]; };
     size_t i = 0;
 #if defined(__SSE2__)
     if (streaming) {
-        for (; i < n && (reinterpret_cast<uintptr_t>(dst + i) & 15) != 0; ++i) dst[i] = table[src[i]];
+        for (; i < n && (reinterpret_cast<uintptr_t>(dst + i) & 15) != 0; ++i) dst[i] = table[at(i)];
         for (; i + 4 <= n; i += 4) {
-            _mm_stream_ps(dst + i, _mm_setr_ps(table[src[i]], table[src[i + 1]],
-                                               table[src[i + 2]], table[src[i + 3]]));
+            _mm_stream_ps(dst + i, _mm_setr_ps(table[at(i)], table[at(i + 1)],
+                                               table[at(i + 2)], table[at(i + 3)]));
         }
     }
 #endif
-    for (; i < n; ++i) dst[i] = table[src[i]];
+    for (; i < n; ++i) dst[i] = table[at(i)];
 }
 
-// Gathers uint8 CHW samples into a float32 NCHW batch at dst, each byte of channel c mapped
+// Gathers uint8 C×H×W samples into a float32 NCHW batch at dst, each byte of channel c mapped
 // through tables[c] (256 floats each): a per-channel elementwise tail (to float, Normalize),
 // tabulated by the caller with the very ops it replaces, in the same pass as the gather.
+// The samples share their strides (in bytes): contiguous planes are mapped whole; other
+// layouts (channels-last: H×W×C memory, as a resize writes it) row by row, transposed as
+// they are read.
 void gather_through_tables(uintptr_t dst, const std::vector<uintptr_t>& sources,
-                           size_t channels, size_t plane, uintptr_t tables, int threads,
-                           size_t streaming_above) {
+                           size_t channels, size_t height, size_t width,
+                           int64_t channel_stride, int64_t row_stride, int64_t column_stride,
+                           uintptr_t tables, int threads, size_t streaming_above) {
+    const size_t plane = height * width;
     const size_t total = sources.size() * channels * plane * sizeof(float);
     const bool streaming = total > streaming_above;
+    const bool planes = column_stride == 1 && row_stride == static_cast<int64_t>(width) &&
+                        channel_stride == static_cast<int64_t>(plane);
     const size_t nthreads = choose_threads(total, threads);
     const auto* table = reinterpret_cast<const float*>(tables);
     auto* out = reinterpret_cast<float*>(dst);
     py::gil_scoped_release release;
-    parallel_ranges(sources.size() * channels, nthreads, [&](size_t begin, size_t end) {
+    // Work items: a sample's channel plane, or a sample's row.
+    const size_t rows = planes ? 1 : height;
+    parallel_ranges(sources.size() * rows, nthreads, [&](size_t begin, size_t end) {
         for (size_t r = begin; r < end; ++r) {
-            const size_t n = r / channels, c = r % channels;
-            const auto* src = reinterpret_cast<const uint8_t*>(sources[n]) + c * plane;
-            map_plane(out + r * plane, src, plane, table + 256 * c, streaming);
+            const size_t n = r / rows, y = r % rows;
+            const auto* row = reinterpret_cast<const uint8_t*>(sources[n]) +
+                              static_cast<int64_t>(y) * row_stride;
+            for (size_t c = 0; c < channels; ++c) {
+                const auto* src = row + static_cast<int64_t>(c) * channel_stride;
+                float* to = out + (n * channels + c) * plane + y * width;
+                map_pixels(to, src, planes ? plane : width, column_stride, table + 256 * c,
+                           streaming);
+            }
         }
         if (streaming) fence_streaming_stores();
     });
@@ -234,10 +251,11 @@ PYBIND11_MODULE(_gather, m) {
           "Copy each source (nbytes each) to dst + i * nbytes. threads=0 picks by size; a batch "
           "of more than streaming_above bytes is written with non-temporal stores.");
     m.def("gather_through_tables", &gather_through_tables, py::arg("dst"), py::arg("sources"),
-          py::arg("channels"), py::arg("plane"), py::arg("tables"), py::arg("threads") = 0,
-          py::arg("streaming_above") = default_streaming_threshold(),
-          "Gather uint8 CHW samples into float32 NCHW at dst, each byte of channel c mapped "
-          "through the 256 floats at tables + 256 * c.");
+          py::arg("channels"), py::arg("height"), py::arg("width"), py::arg("channel_stride"),
+          py::arg("row_stride"), py::arg("column_stride"), py::arg("tables"),
+          py::arg("threads") = 0, py::arg("streaming_above") = default_streaming_threshold(),
+          "Gather uint8 C×H×W samples (sharing these strides, in bytes) into float32 NCHW at "
+          "dst, each byte of channel c mapped through the 256 floats at tables + 256 * c.");
     m.def("streaming_threshold", &default_streaming_threshold,
           "Bytes above which a batch is written with non-temporal stores (3/4 of the L3).");
     m.def("gather_hwc_to_chw", &gather_hwc_to_chw, py::arg("dst"), py::arg("sources"),

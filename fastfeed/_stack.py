@@ -21,7 +21,7 @@ try:
 except ImportError:  # built without a compiler: the pure-torch path takes over
     _gather = None
 
-__all__ = ["bytes_are_values", "copy_threads", "extension_loaded", "gather_addresses",
+__all__ = ["bytes_are_values", "channels_last_strides", "copy_threads", "extension_loaded", "gather_addresses",
            "gather_into", "gather_through_tables", "set_copy_threads", "set_shares_the_gil",
            "shares_the_gil", "stack_hwc_to_chw", "stack_into"]
 
@@ -90,10 +90,18 @@ def extension_loaded() -> bool:
     return _gather is not None
 
 
-def gather_addresses(samples: Sequence[Any]) -> list[int] | None:
-    """Where the compiled gather may copy ``samples`` as bytes: each one's address, when every
-    one is a contiguous tensor whose bytes are its values (:func:`bytes_are_values`) of the
-    first one's dtype and shape; else None (always, without the extension).
+def channels_last_strides(shape: Sequence[int]) -> tuple[int, int, int]:
+    """The strides (in elements) of a ``C×H×W`` image whose memory is ``H×W×C``: what
+    ``permute(2, 0, 1)`` of an image gives, and what a resize of one writes."""
+    channels, _, width = shape
+    return 1, width * channels, channels
+
+
+def gather_addresses(samples: Sequence[Any], channels_last: bool = False) -> list[int] | None:
+    """Where the compiled gathers may read ``samples`` as bytes: each one's address, when every
+    one is a tensor whose bytes are its values (:func:`bytes_are_values`) of the first one's
+    dtype and shape, and contiguous (or, with ``channels_last``, a ``C×H×W`` image with
+    :func:`channels_last_strides`); else None (always, without the extension).
 
     One pass, the cheapest checks first: it runs on every sample of every batch.
     """
@@ -101,13 +109,20 @@ def gather_addresses(samples: Sequence[Any]) -> list[int] | None:
         return None
     first = samples[0]
     dtype, shape = first.dtype, first.shape
+    strides = None
+    if channels_last:
+        if first.dim() != 3:
+            return None
+        strides = channels_last_strides(shape)
     addresses = []
     for sample in samples:
         # The first one's dtype rules out quantized tensors; the layout before
         # is_contiguous(), which a sparse tensor does not have.
         if (type(sample) is not torch.Tensor or sample.dtype is not dtype or not sample.is_cpu
                 or sample.requires_grad or sample.layout is not torch.strided
-                or sample.shape != shape or not sample.is_contiguous() or _lazy_view(sample)):
+                or sample.shape != shape
+                or (sample.stride() != strides if channels_last else not sample.is_contiguous())
+                or _lazy_view(sample)):
             return None
         addresses.append(sample.data_ptr())
     return addresses
@@ -121,17 +136,20 @@ def gather_into(out: torch.Tensor, addresses: list[int], threads: int | None = N
 
 
 def gather_through_tables(out: torch.Tensor, addresses: list[int], tables: torch.Tensor,
-                          threads: int | None = None) -> None:
+                          channels_last: bool = False, threads: int | None = None) -> None:
     """``out[n, c] = tables[c][sample n's channel c]``: uint8 ``C×H×W`` samples at
-    ``addresses`` (from :func:`gather_addresses`) into the contiguous float32 ``N×C×H×W``
-    ``out``, each byte looked up in its channel's row of the float32 ``C×256`` ``tables``."""
+    ``addresses`` (from :func:`gather_addresses`, contiguous or ``channels_last``) into the
+    contiguous float32 ``N×C×H×W`` ``out``, each byte looked up in its channel's row of the
+    float32 ``C×256`` ``tables``."""
     n, channels, height, width = out.shape
     if (out.dtype != torch.float32 or not out.is_contiguous() or len(addresses) != n
             or tables.dtype != torch.float32 or tuple(tables.shape) != (channels, 256)
             or not tables.is_contiguous()):
         raise ValueError("gather_through_tables: out must be a contiguous float32 N×C×H×W "
                          "tensor of len(addresses) samples, tables a contiguous float32 C×256")
-    _gather.gather_through_tables(out.data_ptr(), addresses, channels, height * width,
+    strides = (channels_last_strides((channels, height, width)) if channels_last
+               else (height * width, width, 1))
+    _gather.gather_through_tables(out.data_ptr(), addresses, channels, height, width, *strides,
                                   tables.data_ptr(), copy_threads() if threads is None else threads)
 
 
@@ -139,8 +157,9 @@ def stack_into(out: torch.Tensor, samples: Sequence[torch.Tensor], threads: int 
                addresses: list[int] | None = None) -> None:
     """Copy equally shaped ``samples`` into ``out``, which has shape ``(len(samples), *shape)``.
 
-    Equivalent to ``torch.stack(samples, 0, out=out)``. Contiguous sources of ``out``'s dtype
-    take the compiled path; anything else (strided views, mixed dtypes) takes torch's.
+    Equivalent to ``torch.stack(samples, 0, out=out)``. Contiguous sources of ``out``'s dtype,
+    and uint8 images in ``H×W×C`` memory (``permute(2, 0, 1)`` of one), take the compiled
+    path; anything else (other strided views, mixed dtypes) takes torch's.
     ``addresses``: the samples' :func:`gather_addresses`, where the caller has them already.
     """
     if out.shape[0] != len(samples):
@@ -149,11 +168,31 @@ def stack_into(out: torch.Tensor, samples: Sequence[torch.Tensor], threads: int 
         return
     if addresses is None and out.is_contiguous():
         addresses = gather_addresses(samples)
+        if addresses is None and _stack_channels_last(out, samples, threads):
+            return
     if (addresses is not None and samples[0].dtype == out.dtype
             and samples[0].shape == out.shape[1:]):
         gather_into(out, addresses, threads)
     else:
         torch.stack(list(samples), 0, out=out)
+
+
+def _stack_channels_last(out: torch.Tensor, samples: Sequence[torch.Tensor],
+                         threads: int | None) -> bool:
+    """Stack uint8 ``C×H×W`` images with :func:`channels_last_strides` (``H×W×C`` memory)
+    into the contiguous ``out``, transposed as they are read; False where ``samples`` are not
+    such images of ``out``'s shape."""
+    if out.dim() != 4 or out.dtype != torch.uint8 or samples[0].shape != out.shape[1:]:
+        return False
+    addresses = gather_addresses(samples, channels_last=True)
+    if addresses is None or samples[0].dtype != torch.uint8:
+        return False
+    _, channels, height, width = out.shape
+    row, column, channel = width * channels, channels, 1  # bytes, of uint8
+    _gather.gather_hwc_to_chw(out.data_ptr(), [(a, row, column, channel) for a in addresses],
+                              height, width, channels,
+                              copy_threads() if threads is None else threads)
+    return True
 
 
 def _strided(image: np.ndarray | torch.Tensor, reverse: bool) -> tuple[int, int, int, int]:

@@ -1,6 +1,7 @@
 """The gather kernels against torch.stack, on random inputs."""
 
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -93,24 +94,53 @@ def test_the_streaming_gather_writes_every_byte(nbytes, misalign, threads):
     assert not buffer[:misalign].any() and not buffer[misalign + 9 * nbytes:].any()
 
 
+@pytest.mark.parametrize("channels_last", [False, True])
 @pytest.mark.parametrize("streaming_above", [0, 1 << 40])
 @pytest.mark.parametrize("misalign", [0, 4, 12])
 @pytest.mark.parametrize(("channels", "height", "width"), [(3, 5, 7), (1, 1, 3), (3, 32, 33)])
 def test_the_table_gather_maps_every_byte_through_its_channels_table(
-        channels, height, width, misalign, streaming_above):
+        channels, height, width, misalign, streaming_above, channels_last):
+    """Contiguous samples and samples in H×W×C memory (as a resize writes them)."""
     g = torch.Generator().manual_seed(height)
-    samples = [torch.randint(0, 256, (channels, height, width), dtype=torch.uint8, generator=g)
-               for _ in range(5)]
+    if channels_last:
+        samples = [torch.randint(0, 256, (height, width, channels), dtype=torch.uint8,
+                                 generator=g).permute(2, 0, 1) for _ in range(5)]
+        strides = (1, width * channels, channels)
+    else:
+        samples = [torch.randint(0, 256, (channels, height, width), dtype=torch.uint8,
+                                 generator=g) for _ in range(5)]
+        strides = (height * width, width, 1)
     tables = torch.randn(channels, 256, generator=g)
     buffer = torch.zeros(5 * channels * height * width + 4)
     out = buffer[misalign // 4:misalign // 4 + 5 * channels * height * width].view(
         5, channels, height, width)
     _stack._gather.gather_through_tables(out.data_ptr(), [s.data_ptr() for s in samples],
-                                         channels, height * width, tables.data_ptr(), 2,
-                                         streaming_above=streaming_above)
+                                         channels, height, width, *strides, tables.data_ptr(),
+                                         2, streaming_above=streaming_above)
     batch = torch.stack(samples).long()
     expected = tables[torch.arange(channels).view(1, channels, 1, 1), batch]
     assert torch.equal(out, expected)
+
+
+def test_images_in_hwc_memory_are_stacked_by_the_transposing_gather(monkeypatch):
+    """uint8 C×H×W views of H×W×C images (permute(2, 0, 1), a channels-last resize) take the
+    compiled transposing gather, equal to torch.stack; other strides keep torch's path."""
+    g = torch.Generator().manual_seed(0)
+    images = [torch.randint(0, 256, (6, 7, 3), dtype=torch.uint8, generator=g).permute(2, 0, 1)
+              for _ in range(4)]
+    assert _stack.gather_addresses(images) is None
+    assert _stack.gather_addresses(images, channels_last=True) == [i.data_ptr() for i in images]
+    transposed = [i.transpose(1, 2) for i in images]  # C×W×H: neither layout
+    assert _stack.gather_addresses(transposed, channels_last=True) is None
+    out = torch.empty(4, 3, 6, 7, dtype=torch.uint8)
+    calls = []
+    kernel = _stack._gather.gather_hwc_to_chw
+    monkeypatch.setattr(_stack, "_gather", mock.Mock(
+        wraps=_stack._gather, gather_hwc_to_chw=lambda *a: calls.append(a) or kernel(*a)))
+    _stack.stack_into(out, images)
+    assert torch.equal(out, torch.stack(images)) and len(calls) == 1
+    _stack.stack_into(out, images[:3] + [images[3].contiguous()])  # a mixed batch: torch's path
+    assert torch.equal(out, torch.stack(images)) and len(calls) == 1
 
 
 def test_the_table_gather_refuses_what_it_cannot_write():

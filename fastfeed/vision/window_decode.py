@@ -126,6 +126,7 @@ def decode_resized_crop(
     use_roi: bool = True,
     mode: str = "bilinear",
     dct_margin: int = 1,
+    channels_last: bool = False,
 ) -> torch.Tensor:
     """Decode the box ``choose_box(width, height)`` of an image, resized to ``size``.
 
@@ -139,6 +140,8 @@ def decode_resized_crop(
         dct_margin: a JPEG is decoded at the coarsest DCT scale that keeps the window at least
             ``dct_margin`` times ``size``: larger is closer to a full decode, and slower on
             large images.
+        channels_last: return the image in ``H×W×C`` memory, as the resize writes it (a
+            contiguous ``C×H×W`` copy costs a third of the resize).
 
     Returns:
         uint8 tensor of shape ``(3, height, width)``, RGB.
@@ -158,34 +161,44 @@ def decode_resized_crop(
             try:
                 window, _ = _jpeg.decode_crop(data, x, y, w, h, dct_margin * size[0],
                                               dct_margin * size[1])
-                return resize(window, size, mode)
+                return resize(window, size, mode, channels_last)
             except Exception:
                 pass  # CMYK or YCCK (Pillow converts them, as torchvision does), or broken
-        return _pillow_resized_crop(data, chosen, size, mode, dct_margin)
+        return _pillow_resized_crop(data, chosen, size, mode, dct_margin, channels_last)
     except DecodeError:
         raise
     except Exception as error:
         raise DecodeError(f"cannot decode image {path}: {error}") from error
 
 
-def resize(image: np.ndarray, size: tuple[int, int], mode: str = "bilinear") -> torch.Tensor:
+def resize(image: np.ndarray, size: tuple[int, int], mode: str = "bilinear",
+           channels_last: bool = False) -> torch.Tensor:
     """Antialiased resize (``mode``: bilinear or bicubic) of a uint8 HWC image to a uint8 CHW
-    tensor of ``size`` (width, height).
+    tensor of ``size`` (width, height); with ``channels_last``, in ``H×W×C`` memory.
 
     torch's uint8 kernels give Pillow's BILINEAR and BICUBIC results (to within rounding) about
-    three times faster, and write CHW directly; they run in the calling thread's torch threads
-    (one, in a worker).
+    three times faster; they run in the calling thread's torch threads (one, in a worker).
+    Their own layout is ``H×W×C``: a contiguous ``C×H×W`` output is a transposing copy of it.
     """
-    chw = torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1)
+    hwc = torch.from_numpy(np.ascontiguousarray(image))
+    width, height = size
     if (image.shape[1], image.shape[0]) == size:
-        return chw.contiguous()
-    out = torch.nn.functional.interpolate(chw.unsqueeze(0), size=(size[1], size[0]),
-                                          mode=mode, antialias=True, align_corners=False)
+        return hwc.permute(2, 0, 1) if channels_last else hwc.permute(2, 0, 1).contiguous()
+    chw = hwc.permute(2, 0, 1).unsqueeze(0)
+    if not channels_last:
+        return torch.nn.functional.interpolate(chw, size=(height, width), mode=mode,
+                                               antialias=True, align_corners=False)[0]
+    out = torch.empty((1, height, width, image.shape[2]), dtype=torch.uint8).permute(0, 3, 1, 2)
+    # interpolate's own op, which takes the output's layout from ``out``
+    aa = (torch._C._nn._upsample_bilinear2d_aa if mode == "bilinear"
+          else torch._C._nn._upsample_bicubic2d_aa)
+    aa(chw, (height, width), False, out=out)
     return out[0]
 
 
 def _pillow_resized_crop(data: bytes, choose_box: Callable[[int, int], Box],
-                         size: tuple[int, int], mode: str, dct_margin: int) -> torch.Tensor:
+                         size: tuple[int, int], mode: str, dct_margin: int,
+                         channels_last: bool) -> torch.Tensor:
     with Image.open(io.BytesIO(data)) as image:
         width, height = image.size
         x, y, w, h = choose_box(width, height)
@@ -198,4 +211,4 @@ def _pillow_resized_crop(data: bytes, choose_box: Callable[[int, int], Box],
     left, top = int(x * scale_x), int(y * scale_y)
     right = max(left + 1, round((x + w) * scale_x))
     bottom = max(top + 1, round((y + h) * scale_y))
-    return resize(rgb[top:bottom, left:right], size, mode)
+    return resize(rgb[top:bottom, left:right], size, mode, channels_last)

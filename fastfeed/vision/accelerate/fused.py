@@ -56,7 +56,8 @@ class FusedTransform:
         original: the user's transform (kept for repr and for samples that must take the
             stock path: a ``CenterCrop`` that pads).
         plan: what :func:`accelerate` compiled from it.
-        defer_tail: stop at uint8 CHW; :class:`BatchTail` finishes each batch on the device
+        defer_tail: stop at uint8 CHW (in H×W×C memory, as the resize wrote it);
+            :class:`BatchTail` finishes each batch on the device
             (only for a tail of elementwise tensor ops).
     """
 
@@ -92,9 +93,12 @@ class FusedTransform:
             return self.original(encoded.to_pil())
         window = draw_window(self.plan.geometry, width, height)
         box = window.source_box(width, height)
+        # A deferred image is gathered (TailCollate) or stacked (stack_into) from H×W×C
+        # memory as cheaply as from C×H×W, so it is left as the resize wrote it.
         image = decode_resized_crop(encoded.data, lambda _w, _h: box,
                                     (window.width, window.height), encoded.path,
-                                    mode=window.mode, dct_margin=_DCT_MARGIN)
+                                    mode=window.mode, dct_margin=_DCT_MARGIN,
+                                    channels_last=self.defer_tail)
         if window.flipped:
             image = image.flip(-1)
         if self.defer_tail:

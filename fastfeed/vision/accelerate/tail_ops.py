@@ -260,28 +260,33 @@ class TailCollate:
         images = [s[0] for s in samples]
         if images[0].dtype != torch.uint8:
             return self(samples)
-        addresses = gather_addresses(images)  # the common case, checked in one pass
+        # The common cases, each checked in one pass: images as a resize writes them (H×W×C
+        # memory), or contiguous.
+        channels_last = True
+        addresses = gather_addresses(images, channels_last=True)
+        if addresses is None:
+            channels_last, addresses = False, gather_addresses(images)
         if addresses is None and not stackable(images):
             return self(samples)
         # default_collate of tuples: a list, one collated entry per position
         rest = [default_collate(list(column)) for column in list(zip(*samples, strict=True))[1:]]
-        return [self._float_images(images, addresses, empty), *rest]
+        return [self._float_images(images, addresses, channels_last, empty), *rest]
 
     def _float_images(self, images: list[torch.Tensor], addresses: list[int] | None,
-                      empty: Empty) -> torch.Tensor:
-        """The tail of the uint8 ``images`` (at ``addresses``, where the gather may copy
-        them), into memory from ``empty``: looked up in its tables as the images are
-        gathered, in one pass, where it is a per-channel table; else computed from a staging
-        batch of the uint8 images."""
+                      channels_last: bool, empty: Empty) -> torch.Tensor:
+        """The tail of the uint8 ``images`` (at ``addresses``, where the gather may read them;
+        ``channels_last``: in H×W×C memory), into memory from ``empty``: looked up in its
+        tables as the images are gathered, in one pass, where it is a per-channel table; else
+        computed from a staging batch of the uint8 images."""
         tables = None
         if addresses is not None and images[0].dim() == 3:
             tables = self.tail.tables(images[0].shape[0])
         if addresses is not None and tables is not None:
             out = empty((len(images), *images[0].shape), tables.dtype)
-            gather_through_tables(out, addresses, tables)
+            gather_through_tables(out, addresses, tables, channels_last)
             return out
         shape = (len(images), *images[0].shape)
         if self._staging is None or self._staging.shape != shape:
             self._staging = torch.empty(shape, dtype=torch.uint8)
-        stack_into(self._staging, images, addresses=addresses)
+        stack_into(self._staging, images, addresses=None if channels_last else addresses)
         return self.tail.into(self._staging, empty)
