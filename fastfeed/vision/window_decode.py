@@ -192,7 +192,7 @@ def resize(image: np.ndarray, size: tuple[int, int], mode: str = "bilinear",
     # interpolate's own op, which takes the output's layout from ``out``
     aa = (torch._C._nn._upsample_bilinear2d_aa if mode == "bilinear"
           else torch._C._nn._upsample_bicubic2d_aa)
-    aa(chw, (height, width), False, out=out)
+    aa(chw, (height, width), False, out=out)  # type: ignore[call-arg]
     return out[0]
 
 

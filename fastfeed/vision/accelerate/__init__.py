@@ -113,7 +113,8 @@ def accelerate(dataset: Dataset, *, defer_tail: bool = False,
     Args:
         dataset: the user's dataset.
         defer_tail (bool): items stop at uint8 CHW (views of ``H×W×C`` memory, as the
-            resize writes them: ``.contiguous()`` where a plain layout is needed); pass :func:`batch_tail` of the result as
+            resize writes them: ``.contiguous()`` where a plain layout is needed); pass
+            :func:`batch_tail` of the result as
             ``FastLoader(..., device="cuda", gpu_transform=...)`` to convert and normalise each
             batch on the copy stream (a quarter of the bytes cross PCIe; identical values).
             Only for a tail of ``ToDtype``, ``ConvertImageDtype``, ``Normalize`` and
