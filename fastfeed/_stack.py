@@ -22,8 +22,8 @@ except ImportError:  # built without a compiler: the pure-torch path takes over
     _gather = None
 
 __all__ = ["bytes_are_values", "channels_last_strides", "copy_threads", "extension_loaded",
-           "gather_addresses", "gather_into", "gather_through_tables", "set_copy_threads", "set_shares_the_gil",
-           "shares_the_gil", "stack_hwc_to_chw", "stack_into"]
+           "gather_addresses", "gather_into", "gather_through_tables", "set_copy_threads",
+           "set_shares_the_gil", "shares_the_gil", "stack_hwc_to_chw", "stack_into"]
 
 _dispatch_keys = torch._C._dispatch_keys
 _NEGATIVE, _CONJUGATE = torch._C.DispatchKey.Negative, torch._C.DispatchKey.Conjugate

@@ -139,7 +139,7 @@ def test_images_in_hwc_memory_are_stacked_by_the_transposing_gather(monkeypatch)
         wraps=_stack._gather, gather_hwc_to_chw=lambda *a: calls.append(a) or kernel(*a)))
     _stack.stack_into(out, images)
     assert torch.equal(out, torch.stack(images)) and len(calls) == 1
-    _stack.stack_into(out, images[:3] + [images[3].contiguous()])  # a mixed batch: torch's path
+    _stack.stack_into(out, [*images[:3], images[3].contiguous()])  # a mixed batch: torch's path
     assert torch.equal(out, torch.stack(images)) and len(calls) == 1
 
 
