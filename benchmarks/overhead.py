@@ -272,6 +272,9 @@ def main() -> None:
     parser.add_argument("--cold", action="store_true",
                         help="stored samples larger than the caches, against the gather bound")
     parser.add_argument("--cold-gb", type=float, default=3.0)
+    parser.add_argument("--cold-batches", type=int, default=300,
+                        help="timed batches per cold run (after 20 untimed); more smooths a "
+                             "noisy machine")
     parser.add_argument("--loaders", default="stock,fastfeed",
                         help=f"with --cold: which, comma-separated, of {', '.join(LOADERS)}")
     parser.add_argument("--profile", action="store_true",
@@ -375,7 +378,7 @@ def cold_main(args: argparse.Namespace) -> None:
     """The cold rows: each of ``--loaders`` and the gather bound, interleaved, in fresh
     processes."""
     bs = 128 if args.batch_sizes == [64, 128, 256] else args.batch_sizes[0]
-    batches = 300
+    batches = args.cold_batches
     loaders = args.loaders.split(",")
     names = (*loaders, "bound")
     jobs = [n for r in range(args.repeats) for n in (names if r % 2 == 0 else names[::-1])]
@@ -391,8 +394,8 @@ def cold_main(args: argparse.Namespace) -> None:
     best_fastfeed = max(bounds["two_processes_fastfeed_gather"],
                         bounds["one_process_fastfeed_gather"])
     print(f"\ncold: {args.cold_gb:g} GB of stored uint8 3×224×224 samples, shuffled, batch "
-          f"{bs}, {args.workers} workers (processes or threads), persistent; medians of "
-          f"{args.repeats} interleaved runs; Python {sys.version.split()[0]}, torch "
+          f"{bs}, {args.workers} workers (processes or threads), persistent; {batches} timed "
+          f"batches a run, medians of {args.repeats} interleaved runs; Python {sys.version.split()[0]}, torch "
           f"{torch.__version__}, {os.cpu_count()} cores\n")
     print(f"bound: 2 processes × 1 thread {bounds['two_processes']:.0f}, 1 process × all cores "
           f"{bounds['one_process']:.0f} batches/s; with rotating outputs (as many as a slot "

@@ -17,6 +17,8 @@ The package, one job a module:
   ``ColorJitter``, RandAugment, ``RandomErasing``, anything), which the user's own objects run
   in order, making the same random draws as in the stock pipeline;
 - :mod:`~.geometry`: the window, drawn by the transforms' own code;
+- :mod:`~.torch_draws`: in a worker process, the numbers torchvision's own crop and flips
+  would draw, made from a copy of torch's generator state without a torch op per number;
 - :mod:`~.tail_ops`: the tail per sample, or on whole batches (in the pool slot, or on the device);
 - :mod:`~.fused`: the accelerated dataset's loader and transform;
 - :mod:`~.on_gpu`: ``decode_device="cuda"``, the decode and all of the prefix and tail on the
