@@ -265,7 +265,7 @@ for stage in "${stages[@]}"; do
             if ! has torchvision; then
                 na pixels "torchvision is not installed"
             elif needs pixels benchmarks/gpu_decode_pixels.py --device; then
-                stage gpu_decode_pixels 45 python3 benchmarks/gpu_decode_pixels.py \
+                stage pixels 45 python3 benchmarks/gpu_decode_pixels.py \
                     --device "$device" --images 64 --seeds 2
             fi ;;
         fixed_step)
