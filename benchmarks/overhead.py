@@ -395,8 +395,8 @@ def cold_main(args: argparse.Namespace) -> None:
                         bounds["one_process_fastfeed_gather"])
     print(f"\ncold: {args.cold_gb:g} GB of stored uint8 3×224×224 samples, shuffled, batch "
           f"{bs}, {args.workers} workers (processes or threads), persistent; {batches} timed "
-          f"batches a run, medians of {args.repeats} interleaved runs; Python {sys.version.split()[0]}, torch "
-          f"{torch.__version__}, {os.cpu_count()} cores\n")
+          f"batches a run, medians of {args.repeats} interleaved runs; Python "
+          f"{sys.version.split()[0]}, torch {torch.__version__}, {os.cpu_count()} cores\n")
     print(f"bound: 2 processes × 1 thread {bounds['two_processes']:.0f}, 1 process × all cores "
           f"{bounds['one_process']:.0f} batches/s; with rotating outputs (as many as a slot "
           f"pool) {bounds['two_processes_rotating']:.0f} / {bounds['one_process_rotating']:.0f}; "
