@@ -3,8 +3,8 @@
 //
 // A torchvision transform draws its crop window with torch ops on one-element tensors, each
 // microseconds of dispatch for 32 random bits. fastfeed draws the same words from a copy of
-// the state and hands the advanced state back to torch. The state is torch's legacy layout
-// (ATen's CPUGeneratorImplStateLegacy, unchanged since torch 1.5):
+// the state and hands the advanced state back to torch. The state is the legacy layout that
+// torch.Generator.get_state() returns:
 //   uint64 the_initial_seed; int32 left; int32 seeded; uint64 next; uint64 state[624]; ...
 // and the engine is MT19937 with torch's bookkeeping: `left` counts down to a regeneration
 // that happens *before* the word is read, `next` indexes the word. fastfeed checks its draws
@@ -76,9 +76,8 @@ std::vector<uint32_t> draw_words(uintptr_t address, size_t count) {
     return words;
 }
 
-// torch's CPU uniform_ on float32 (uniform_real in ATen's TransformationHelper.h): the low 24
-// bits of the word scaled into [0, 1), then x * (to - from) + from in float; `fused` as one
-// multiply-add, which a compiler may have chosen for torch's kernel (fastfeed asks torch
+// torch's CPU uniform_ on float32: the low 24 bits of the word scaled into [0, 1), then
+// x * (to - from) + from in float; `fused` as one multiply-add, which a compiler may have chosen for torch's kernel (fastfeed asks torch
 // which). This file is built with -ffp-contract=off so that the other form stays unfused.
 // Empty where the value rounds to `to`: torch releases differ in what they return then.
 std::optional<float> uniform_float(uint32_t word, double from_, double to_, bool fused) {

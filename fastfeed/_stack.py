@@ -182,10 +182,11 @@ def _stack_channels_last(out: torch.Tensor, samples: Sequence[torch.Tensor],
     """Stack uint8 ``C×H×W`` images with :func:`channels_last_strides` (``H×W×C`` memory)
     into the contiguous ``out``, transposed as they are read; False where ``samples`` are not
     such images of ``out``'s shape."""
-    if out.dim() != 4 or out.dtype != torch.uint8 or samples[0].shape != out.shape[1:]:
+    if (out.dim() != 4 or out.dtype != torch.uint8 or samples[0].dtype != torch.uint8
+            or samples[0].shape != out.shape[1:]):
         return False
     addresses = gather_addresses(samples, channels_last=True)
-    if addresses is None or samples[0].dtype != torch.uint8:
+    if addresses is None:
         return False
     _, channels, height, width = out.shape
     row, column, channel = width * channels, channels, 1  # bytes, of uint8
