@@ -65,10 +65,14 @@ struct Plan {
     std::vector<int> column;  // padded index of each output column's left neighbour
     std::vector<float> alpha;
     int first = 0, last = -1;  // the source columns that any output column reads
-    // interpolate_vbmi's blocks of 16 output columns, where planned: the byte offset of each
-    // block's 128-byte window in a padded row; per block, the window offsets of its 48 left and
-    // 48 right neighbour bytes, 16 to a 64-byte index (one byte per 32-bit lane); and each
-    // output value's weight, alpha repeated for B, G and R.
+    // Blocks of block_pixels output columns for a vector kernel, where planned; each output
+    // value's weight, alpha repeated for B, G and R; byte offsets of windows in a padded row,
+    // and per window the offsets of its values' left and right neighbour bytes, one byte per
+    // 32-bit lane. interpolate_vbmi (16 columns): a 128-byte window per block, its 48 left and
+    // 48 right offsets 16 to a 64-byte index. interpolate_avx2_blocks (8 columns): six 16-byte
+    // windows per block, one per 4 values, their offsets as the 32-byte byte-shuffle indices of
+    // the block's three 8-value parts, left then right.
+    int block_pixels = 0;
     std::vector<size_t> block_start;
     std::vector<uint8_t> block_index;
     std::vector<float> alpha3;
@@ -101,6 +105,14 @@ FASTFEED_AVX2_FMA Plan plan_columns(const Inverse& inv, int src_w, int out_w) {
 constexpr size_t kWindow = 128;
 constexpr size_t kSlack = kWindow;
 
+void keep_blocks(Plan& plan, int pixels, std::vector<size_t> start, std::vector<uint8_t> index) {
+    plan.block_pixels = pixels;
+    plan.block_start = std::move(start);
+    plan.block_index = std::move(index);
+    plan.alpha3.resize(static_cast<size_t>(plan.column.size() / pixels * pixels) * 3);
+    for (size_t i = 0; i < plan.alpha3.size(); ++i) plan.alpha3[i] = plan.alpha[i / 3];
+}
+
 // interpolate_vbmi's blocks (see Plan), if every full block's neighbours fit in its window.
 void plan_blocks(Plan& plan, int out_w) {
     const int blocks = out_w / 16;
@@ -119,10 +131,33 @@ void plan_blocks(Plan& plan, int out_w) {
             lane[64 + 4 * (value % 16)] = static_cast<uint8_t>(offset + 3);  // right
         }
     }
-    plan.block_start = std::move(start);
-    plan.block_index = std::move(index);
-    plan.alpha3.resize(static_cast<size_t>(blocks) * 48);
-    for (size_t i = 0; i < plan.alpha3.size(); ++i) plan.alpha3[i] = plan.alpha[i / 3];
+    keep_blocks(plan, 16, std::move(start), std::move(index));
+}
+
+// interpolate_avx2_blocks' blocks, if the neighbours of every 4 values lie within 16 bytes of
+// their first pixel (every block at Ultralytics' scales 0.5 to 1.5, and at a shrink by 2).
+void plan_halves(Plan& plan, int out_w) {
+    const int blocks = out_w / 8;
+    std::vector<size_t> start(static_cast<size_t>(blocks) * 6);
+    std::vector<uint8_t> index(static_cast<size_t>(blocks) * 192, 0x80);  // 0x80: a zero byte
+    for (int k = 0; k < blocks; ++k) {
+        for (int half = 0; half < 6; ++half) {
+            const int first = 24 * k + 4 * half;
+            const int origin = plan.column[first / 3] * 3;
+            start[6 * static_cast<size_t>(k) + half] = static_cast<size_t>(origin);
+            uint8_t* left = index.data() + static_cast<size_t>(k) * 192 + (half / 2) * 64 +
+                            (half % 2) * 16;
+            for (int i = 0; i < 4; ++i) {
+                const int value = first + i;
+                const int offset = plan.column[value / 3] * 3 + value % 3 - origin;
+                // Columns run backwards under a mirroring matrix: those rows are not planned.
+                if (offset < 0 || offset + 3 >= 16) return;
+                left[4 * i] = static_cast<uint8_t>(offset);
+                left[32 + 4 * i] = static_cast<uint8_t>(offset + 3);
+            }
+        }
+    }
+    keep_blocks(plan, 8, std::move(start), std::move(index));
 }
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -145,6 +180,33 @@ FASTFEED_AVX2_FMA int interpolate_avx2(const uint8_t* line, const Plan& plan, fl
         _mm_storeu_ps(out + 3 * x, v);
     }
     return out_w;
+}
+
+// The same arithmetic, eight output pixels at a time (see plan_halves): each 128-bit lane
+// holds the 16 bytes from the left neighbour of its first pixel, and one byte shuffle per lane
+// picks the four left (or right) neighbour bytes of its four values into 32-bit lanes.
+FASTFEED_AVX2_FMA int interpolate_avx2_blocks(const uint8_t* line, const Plan& plan, float* out) {
+    const int blocks = static_cast<int>(plan.block_start.size() / 6);
+    for (int k = 0; k < blocks; ++k) {
+        const size_t* start = plan.block_start.data() + static_cast<size_t>(k) * 6;
+        const uint8_t* index = plan.block_index.data() + static_cast<size_t>(k) * 192;
+        const float* alpha = plan.alpha3.data() + static_cast<size_t>(k) * 24;
+        for (int part = 0; part < 3; ++part) {
+            const __m256i window = _mm256_inserti128_si256(
+                _mm256_castsi128_si256(
+                    _mm_loadu_si128(reinterpret_cast<const __m128i*>(line + start[2 * part]))),
+                _mm_loadu_si128(reinterpret_cast<const __m128i*>(line + start[2 * part + 1])), 1);
+            const __m256i* at = reinterpret_cast<const __m256i*>(index + part * 64);
+            const __m256 left = _mm256_cvtepi32_ps(
+                _mm256_shuffle_epi8(window, _mm256_loadu_si256(at)));
+            const __m256 right = _mm256_cvtepi32_ps(
+                _mm256_shuffle_epi8(window, _mm256_loadu_si256(at + 1)));
+            _mm256_storeu_ps(out + static_cast<size_t>(k) * 24 + 8 * part,
+                             _mm256_fmadd_ps(_mm256_loadu_ps(alpha + 8 * part),
+                                             _mm256_sub_ps(right, left), left));
+        }
+    }
+    return 8 * blocks;
 }
 
 // The same arithmetic, sixteen output pixels at a time, where a block's two neighbours of each
@@ -174,6 +236,29 @@ FASTFEED_AVX512_VBMI int interpolate_vbmi(const uint8_t* line, const Plan& plan,
         }
     }
     return 16 * blocks;
+}
+
+// Output bytes i.. of a row from its upper and lower interpolated rows, 32 at a time, as the
+// scalar loop: round half to even, then the two saturating packs clamp to 0..255; they
+// interleave the 128-bit lanes, which one permute puts back in order.
+FASTFEED_AVX2_FMA size_t blend_rows_avx2(const float* v0, const float* v1, float b,
+                                           uint8_t* out, size_t n) {
+    const __m256 weight = _mm256_set1_ps(b);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    size_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        __m256i rounded[4];
+        for (int j = 0; j < 4; ++j) {
+            const __m256 upper = _mm256_loadu_ps(v0 + i + 8 * j);
+            rounded[j] = _mm256_cvtps_epi32(_mm256_fmadd_ps(
+                weight, _mm256_sub_ps(_mm256_loadu_ps(v1 + i + 8 * j), upper), upper));
+        }
+        const __m256i bytes = _mm256_packus_epi16(_mm256_packs_epi32(rounded[0], rounded[1]),
+                                                  _mm256_packs_epi32(rounded[2], rounded[3]));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
+                            _mm256_permutevar8x32_epi32(bytes, order));
+    }
+    return i;
 }
 
 // Output bytes i.. of a row from its upper and lower interpolated rows, 16 at a time, as the
@@ -217,9 +302,10 @@ FASTFEED_AVX2_FMA void horizontal(const std::vector<Tile>& tiles, bool covered, 
     }
     int x = 0;
 #if defined(__x86_64__) || defined(__i386__)
-    // The kernels run only where available(); the blocks are planned only where the CPU has
-    // AVX-512 VBMI.
-    x = plan.block_start.empty() ? 0 : interpolate_vbmi(base, plan, out);
+    // The kernels run only where available(); 16-column blocks are planned only where the CPU
+    // has AVX-512 VBMI.
+    if (plan.block_pixels == 16) x = interpolate_vbmi(base, plan, out);
+    if (plan.block_pixels == 8) x = interpolate_avx2_blocks(base, plan, out);
     x = interpolate_avx2(base, plan, out, x, out_w);
 #endif
     for (; x < out_w; ++x) {
@@ -236,7 +322,11 @@ FASTFEED_AVX2_FMA void warp(const std::vector<Tile>& tiles, int src_h, int src_w
                               uint8_t* dst, int out_h, int out_w, const Inverse& inv,
                               uint8_t border, [[maybe_unused]] bool avx512, bool vbmi) {
     Plan plan = plan_columns(inv, src_w, out_w);
-    if (vbmi) plan_blocks(plan, out_w);
+    if (vbmi) {
+        plan_blocks(plan, out_w);
+    } else {
+        plan_halves(plan, out_w);
+    }
     const bool covered = tiles.size() == 1 && tiles[0].y1 <= 0 && tiles[0].x1 <= 0 &&
                          tiles[0].y2 >= src_h && tiles[0].x2 >= src_w;
     std::vector<uint8_t> padded(static_cast<size_t>(src_w + 2 * kPad) * 3 + kSlack, border);
@@ -269,7 +359,8 @@ FASTFEED_AVX2_FMA void warp(const std::vector<Tile>& tiles, int src_h, int src_w
         const float* v1 = lower.data();
         size_t i = 0;
 #if defined(__x86_64__) || defined(__i386__)
-        if (avx512) i = blend_rows_avx512(v0, v1, b, out, n);
+        i = avx512 ? blend_rows_avx512(v0, v1, b, out, n)
+                   : blend_rows_avx2(v0, v1, b, out, n);
 #endif
         for (; i < n; ++i) {  // an int clamp: GCC vectorises it, not a float one
             const int v = static_cast<int>(std::nearbyint(std::fma(b, v1[i] - v0[i], v0[i])));
