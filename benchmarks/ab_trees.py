@@ -11,7 +11,8 @@ Beside each child's own figure, its CPU time (user and system, its worker proces
 is reported: the same work in each tree, it drifts far less than wall time with the load.
 
 The child's last line of output is JSON: a list of rates (``--one`` children of the pipeline
-benchmarks) or an object, from which ``--key`` picks the figure (``overhead.py --child``)::
+benchmarks) or an object, or a list of objects, from which ``--key`` picks the figure
+(``overhead.py --child``; ``ultralytics_pipeline.py --one``, ``--key wall``)::
 
     python benchmarks/ab_trees.py --trees before=/tmp/before after=. --rounds 6 \\
         --key batches_per_s -- overhead.py --child fastfeed float32 128 2 64 0
@@ -52,8 +53,8 @@ def child_run(python: str, tree: Path, command: list[str], key: str | None
     if out.returncode:
         sys.exit(f"{tree}: {script} failed:\n{out.stderr[-3000:]}")
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    if key is not None:
-        result = result[key]
+    if key is not None:  # of the object, or of each object in the list
+        result = [r[key] for r in result] if isinstance(result, list) else result[key]
     return [float(r) for r in (result if isinstance(result, list) else [result])], cpu
 
 
