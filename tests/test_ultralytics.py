@@ -1009,3 +1009,21 @@ def test_label_copies_are_deep_copies(yolo_root):
     copied = copy_labels(odd)
     assert copied["a"] is copied["b"][0] and copied["a"] is not shared
     assert copied["c"] == {1, 2} and copied["c"] is not odd["c"] and copied["d"] is not odd["d"]
+
+
+KERNEL_EXACTNESS = ("test_axis_aligned_warp_is_opencvs_to_the_bit",
+                    "test_mosaic_warped_from_its_four_images_is_the_canvas_warped",
+                    "test_hsv_kernel_is_opencvs_on_every_colour",
+                    "test_gather_jittered_is_the_jitter_then_the_gather")
+
+
+def test_the_kernels_avx2_paths_give_the_same_bytes():
+    """The warp's and the jitter's exactness tests again under FASTFEED_ISA=avx2: a CPU with
+    AVX-512 then runs the AVX2 paths that every AVX2-only CPU runs (which this CPU runs
+    either way)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider",
+         *(f"{__file__}::{name}" for name in KERNEL_EXACTNESS)],
+        env={**os.environ, "FASTFEED_ISA": "avx2"}, capture_output=True, text=True,
+        timeout=600, check=False)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
