@@ -34,6 +34,7 @@ from fastfeed.doctor.measure import stages_ruled_out
 from fastfeed.doctor.probe import Probe, Window, WindowClosed
 from fastfeed.doctor.report import format_report
 from fastfeed.doctor.stages import StageClock, StageCost, profile_samples
+from fastfeed.doctor.trials import made_rate
 from fastfeed.doctor.verdict import BALANCED, COMPUTE_BOUND, DATA_BOUND, judge
 
 SCRIPTS = Path(__file__).parent / "doctor_scripts"
@@ -390,6 +391,18 @@ def test_stage_figures_the_loader_rate_rules_out_are_not_printed():
                       stages_ruled_out=why)
     report = format_report(found)
     assert f"Not shown: {why}" in report and "decode" not in report
+
+
+def test_a_window_of_prefetched_batches_rules_out_no_stage_figures():
+    """A rate measured over a window no longer than the batches the workers had prefetched
+    when it opened (all ready, where the main process lost its core for a moment on a busy
+    machine) bounds nothing: only the batches made inside the window count."""
+    stages = [StageCost("decode", 4.0, "decode")]  # two workers make at most 500 samples/s
+    assert made_rate(3200, 4, 4) == 0.0 and made_rate(3200, 0, 4) == 0.0
+    assert stages_ruled_out(stages, 2, made_rate(3200, 4, 4)) == ""
+    assert made_rate(3200, 8, 4) == 1600.0  # at least half the window was made inside it
+    assert stages_ruled_out(stages, 2, made_rate(3200, 8, 4))  # still too fast for them
+    assert stages_ruled_out(stages, 2, made_rate(3200, 40, 4))
 
 
 def _direct_ms(function, *args, repeats: int = 9) -> float:

@@ -31,6 +31,7 @@ from fastfeed.doctor.trials import (
     BASELINE,
     Result,
     TrialPlan,
+    made_rate,
     ready_ms,
     run_trials,
     settle_workers,
@@ -284,7 +285,12 @@ def diagnose(diagnosis: Diagnosis, captured: Captured, probe: Probe, settings: S
     diagnosis.outcome = REPORT
     diagnosis.verdict, diagnosis.evidence = verdict.name, list(verdict.evidence)
     diagnosis.loader_ceiling_samples_per_s = ceiling
-    rates = [r for r in (ceiling, diagnosis.consumer_samples_per_s) if r]
+    # The rates the workers must have kept up inside each window, not what draining batches
+    # they had prefetched before it looked like.
+    prefetched = (spec.workers * (spec.arguments.get("prefetch_factor") or 0)
+                  if isinstance(spec.workers, int) else 0)
+    rates = [r for r in (None if results[0].error else results[0].made_per_s,
+                         made_rate(consumer, len(steps.samples), prefetched)) if r]
     diagnosis.stages_ruled_out = stages_ruled_out(stages, spec.workers,
                                                   max(rates) if rates else None)
     if diagnosis.stages_ruled_out:

@@ -77,6 +77,7 @@ class Config:
 @dataclass
 class _Run:
     rate: float
+    made_rate: float  # made_rate(rate, ...): what the workers must have made in the window
     fingerprints: list[tuple[Any, ...]]
     ready_ms: list[float]
     gpu_s_per_sample: float | None = None
@@ -97,6 +98,7 @@ class Result:
     error: str = ""
     gpu_work: bool = False
     gpu_ms_per_sample: float | None = None  # GPU time beyond the configuration it is against
+    made_per_s: float = 0.0  # the median of its runs' made_rate
 
 
 @dataclass(frozen=True)
@@ -158,6 +160,14 @@ class TrialPlan:
         return map_tensors(lambda t: t.to(device, non_blocking=True), batch)
 
 
+def made_rate(rate: float, batches: int, prefetched: int) -> float:
+    """The share of ``rate``, measured over a window of ``batches``, that the workers must
+    have made inside the window: up to ``prefetched`` batches may have been ready when it
+    opened (a main process that lost its core for a moment, on a busy machine, finds them
+    all ready), and a window of no more batches than that bounds nothing."""
+    return rate * max(0, batches - prefetched) / batches if batches > 0 else 0.0
+
+
 def _endless(loader: DataLoader) -> Generator[Any, None, None]:
     """Batches epoch after epoch: a new epoch's start-up counts, as it does in training."""
     while True:
@@ -203,7 +213,7 @@ def _run_once(config: Config, plan: TrialPlan) -> _Run:
             shape = plan.shape(config, loader)
             prints, ready = _warm_up(batches, plan, shape,
                                      config.key == BASELINE and shape.prefetched > 0)
-            samples = 0
+            samples = count = 0
             start = time.perf_counter()  # the last warm-up batch has just arrived
             for count in range(1, shape.timed + 1):
                 batch = plan.consume(next(batches))
@@ -220,7 +230,8 @@ def _run_once(config: Config, plan: TrialPlan) -> _Run:
             del batches, loader
             gc.collect()
     gpu_s = plan.gpu_s(start, end)
-    return _Run(samples / (end - start), resolve(prints), ready,
+    rate = samples / (end - start)
+    return _Run(rate, made_rate(rate, count, shape.prefetched), resolve(prints), ready,
                 gpu_s / samples if gpu_s is not None and samples else None)
 
 
@@ -277,7 +288,8 @@ def run_trials(configs: list[Config], plan: TrialPlan, desc: str = "fastfeed doc
                               _same(done, against) if against else None, config.note,
                               gpu_work=config.gpu_work,
                               gpu_ms_per_sample=_extra_gpu_ms(done, against)
-                              if config.gpu_work else None))
+                              if config.gpu_work else None,
+                              made_per_s=statistics.median(run.made_rate for run in done)))
     return results
 
 
