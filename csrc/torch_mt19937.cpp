@@ -77,8 +77,9 @@ std::vector<uint32_t> draw_words(uintptr_t address, size_t count) {
 }
 
 // torch's CPU uniform_ on float32: the low 24 bits of the word scaled into [0, 1), then
-// x * (to - from) + from in float; `fused` as one multiply-add, which a compiler may have chosen for torch's kernel (fastfeed asks torch
-// which). This file is built with -ffp-contract=off so that the other form stays unfused.
+// x * (to - from) + from in float; `fused` as one multiply-add, which a compiler may have
+// chosen for torch's kernel (fastfeed asks torch which). This file is built with
+// -ffp-contract=off so that the other form stays unfused.
 // Empty where the value rounds to `to`: torch releases differ in what they return then.
 std::optional<float> uniform_float(uint32_t word, double from_, double to_, bool fused) {
     const float from = static_cast<float>(from_), to = static_cast<float>(to_);
